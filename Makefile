@@ -1,0 +1,35 @@
+# The two commands (see README.md):
+#   make demo   set up .venv if needed, then train a small DLRM on built-in data
+#   make test   set up .venv with the test extras if needed, then run the whole suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test lint setup clean
+
+$(VENV)/.stamp-base: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# The CPU build of torch 2.13.0 is installed first where no torch is present:
+	@# a bare `torch` requirement would pull a multi-GB CUDA build.
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e .
+	@touch $@
+
+$(VENV)/.stamp-test: $(VENV)/.stamp-base
+	$(PY) -m pip install -q -e ".[test]"
+	@touch $@
+
+setup: $(VENV)/.stamp-base
+
+demo: $(VENV)/.stamp-base
+	$(VENV)/bin/tetrarec demo
+
+test: $(VENV)/.stamp-test
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.stamp-test
+	$(PY) -m ruff check tetrarec tests benchmarks
+	$(PY) -m ruff format --check tetrarec tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info

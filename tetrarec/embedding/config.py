@@ -1,0 +1,75 @@
+"""``TableConfig``: the one source of truth for an embedding table's shape."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tetrarec.types import PoolingMode, Precision
+
+__all__ = ["TableConfig", "feature_order"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableConfig:
+    """One embedding table and the features that look it up.
+
+    Args:
+        name: table name, unique in a collection.
+        num_embeddings: rows (the hash size).
+        dim: embedding dim.
+        feature_names: features that look this table up; several may share a table.
+            Defaults to ``(name,)``.
+        pooling: how a bag's embeddings combine (sum or mean).
+        precision: how rows are stored (FP32 in the reference collection).
+        init_bound: rows start uniform in ``[-init_bound, init_bound]``; ``None`` means
+            ``1/sqrt(num_embeddings)`` as in the DLRM reference.
+
+    Raises:
+        ValueError: on a non-positive size or an empty name.
+    """
+
+    name: str
+    num_embeddings: int
+    dim: int
+    feature_names: tuple[str, ...] = ()
+    pooling: PoolingMode = PoolingMode.SUM
+    precision: Precision = Precision.FP32
+    init_bound: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("a table needs a name")
+        if self.num_embeddings <= 0 or self.dim <= 0:
+            raise ValueError(
+                f"table {self.name!r}: num_embeddings and dim must be positive, "
+                f"got {self.num_embeddings} x {self.dim}"
+            )
+        if not self.feature_names:
+            object.__setattr__(self, "feature_names", (self.name,))
+        else:
+            object.__setattr__(self, "feature_names", tuple(self.feature_names))
+        object.__setattr__(self, "pooling", PoolingMode.parse(self.pooling))
+        object.__setattr__(self, "precision", Precision.parse(self.precision))
+
+    @property
+    def bound(self) -> float:
+        """The half-width of the uniform initialization."""
+        if self.init_bound is not None:
+            return self.init_bound
+        return 1.0 / math.sqrt(self.num_embeddings)
+
+
+def feature_order(tables: tuple[TableConfig, ...] | list[TableConfig]) -> tuple[str, ...]:
+    """Feature names in output order: tables in order, each table's features in order.
+
+    Raises:
+        ValueError: if a feature or table name appears twice.
+    """
+    names = [t.name for t in tables]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate table names in {names}")
+    feats = [f for t in tables for f in t.feature_names]
+    if len(set(feats)) != len(feats):
+        raise ValueError(f"a feature looks up more than one table: {feats}")
+    return tuple(feats)
