@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tetrarec.types import PoolingMode, Precision
+from tetrarec.types import OptimizerKind, PoolingMode, Precision
 
-__all__ = ["TableConfig", "feature_order"]
+__all__ = ["SparseOptimizerSpec", "TableConfig", "feature_order"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,3 +73,32 @@ def feature_order(tables: tuple[TableConfig, ...] | list[TableConfig]) -> tuple[
     if len(set(feats)) != len(feats):
         raise ValueError(f"a feature looks up more than one table: {feats}")
     return tuple(feats)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparseOptimizerSpec:
+    """The optimizer applied to embedding rows (fused in backward, or as a sparse step).
+
+    Args:
+        kind: the update rule.
+        lr: learning rate (schedules scale it at run time).
+        eps: the denominator's epsilon (Adagrad and Adam families).
+        beta1: Adam's first-moment decay.
+        beta2: Adam's second-moment decay.
+        weight_decay: L2 penalty added to the gradient of the touched rows
+            (``g + weight_decay * w``, as in ``torch.optim``).
+        initial_accumulator: Adagrad's starting state value.
+    """
+
+    kind: OptimizerKind = OptimizerKind.ROWWISE_ADAGRAD
+    lr: float = 0.01
+    eps: float = 1e-8
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 0.0
+    initial_accumulator: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", OptimizerKind.parse(self.kind))
+        if self.lr < 0 or self.eps <= 0 or self.weight_decay < 0:
+            raise ValueError(f"bad sparse optimizer settings: {self}")

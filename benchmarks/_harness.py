@@ -1,0 +1,118 @@
+"""Shared benchmark harness: warm-up, timed repeats, median/p90, JSON output.
+
+Benchmarks measure against a baseline in the same run and report ratios; absolute
+times on these shared machines vary by +-15% between processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Timing:
+    """Per-iteration seconds of one measured callable."""
+
+    seconds: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def p90(self) -> float:
+        s = sorted(self.seconds)
+        return s[min(len(s) - 1, int(round(0.9 * (len(s) - 1))))]
+
+
+def sync() -> None:
+    """Wait for queued device work (no-op on CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def measure(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 10) -> Timing:
+    """Call ``fn`` ``warmup`` times untimed, then ``iters`` times timed."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    t = Timing()
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        t.seconds.append(time.perf_counter() - t0)
+    return t
+
+
+def peak_rss_gib() -> float:
+    """Peak resident set size of this process so far, GiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def current_rss_gib() -> float:
+    """Current resident set size of this process, GiB."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def git_sha() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            check=False,
+        )
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def environment() -> dict[str, Any]:
+    return {
+        "git_sha": git_sha(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+    }
+
+
+def write_json(path: str | None, config: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    """Write ``{"env", "config", "results"}`` to ``path`` (if given)."""
+    if not path:
+        return
+    payload = {"env": environment(), "config": config, "results": results}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    """Print ``rows`` as an aligned text table."""
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.0f}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
