@@ -1,0 +1,265 @@
+import gzip
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tetrarec.data import (
+    BadLineReason,
+    DataError,
+    DataFileNotFoundError,
+    dense_transform,
+    hash_ids,
+    iter_criteo_blocks,
+    read_criteo,
+)
+from tetrarec.data import criteo as criteo_mod
+
+REPO = Path(__file__).resolve().parents[3]
+KAGGLE = REPO.parent / "shared/data/criteo-kaggle-dac-sample/criteo_kaggle_dac_sample.tsv.gz"
+TB = REPO.parent / "shared/data/criteo-1tb-sample/criteo_1tb_sample_1000.tsv.gz"
+
+
+def line(label="0", dense=None, cats=None) -> str:
+    dense = [str(i) for i in range(13)] if dense is None else dense
+    cats = [f"{i:08x}" for i in range(26)] if cats is None else cats
+    return "\t".join([label, *dense, *cats])
+
+
+def write(path: Path, lines: list[str], *, gz: bool = False, end: str = "\n") -> Path:
+    data = (end.join(lines) + end).encode()
+    if gz:
+        path.write_bytes(gzip.compress(data))
+    else:
+        path.write_bytes(data)
+    return path
+
+
+def fmix64(x: int) -> int:
+    m = (1 << 64) - 1
+    x &= m
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & m
+    x ^= x >> 33
+    x = (x * 0xC4CEB9FE1A85EC53) & m
+    return x ^ (x >> 33)
+
+
+def test_hash_ids_is_fmix64_mod_rows():
+    raw = np.array([0, 1, 2, 0x68FD1E64, 0xFFFFFFFF, 123456789], dtype=np.uint32)
+    for rows in (1, 7, 1000, 2**31 - 1):
+        expected = [fmix64(int(x)) % rows for x in raw]
+        assert hash_ids(raw, rows).tolist() == expected
+    # Fixed forever: changing the hash would remap every trained row.
+    assert hash_ids(np.array([0, 1, 0x68FD1E64]), 1000).tolist() == [0, 604, 12]
+
+
+def test_hash_ids_broadcasts_row_counts_and_handles_negatives():
+    raw = np.array([[5, 5], [-1, 3]])
+    out = hash_ids(raw, np.array([10, 1000]))
+    assert out.tolist() == [
+        [fmix64(5) % 10, fmix64(5) % 1000],
+        [fmix64(2**64 - 1) % 10, fmix64(3) % 1000],
+    ]
+    with pytest.raises(ValueError, match="num_rows"):
+        hash_ids(raw, 0)
+
+
+def test_dense_transform():
+    out = dense_transform(np.array([-5, -1, 0, 1, 2, 10**12]))
+    expected = [0, 0, 0, math.log(2), math.log(3), math.log1p(10**12)]
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+    assert out.dtype == np.float32
+
+
+def test_parse_exact_values_and_missing(tmp_path):
+    dense = ["", "-3", "0", "7", "", "", "", "", "", "", "", "", "99"]
+    cats = ["68fd1e64", "", "FFFFFFFF", "0000000a"] + [""] * 22
+    p = write(tmp_path / "a.tsv", [line("1", dense, cats), line("0")])
+    block, summary = read_criteo([p])
+    assert block.rows == 2
+    assert block.labels.tolist() == [1.0, 0.0]
+    exp_dense = [0, 0, 0, math.log(8)] + [0] * 8 + [math.log(100)]
+    np.testing.assert_allclose(block.dense[0], exp_dense, rtol=1e-6)
+    np.testing.assert_allclose(block.dense[1], np.log1p(np.arange(13)), rtol=1e-6)
+    assert block.sparse[0, :4].tolist() == [0x68FD1E64, 0, 0xFFFFFFFF, 10]
+    assert block.sparse[0, 4:].tolist() == [0] * 22
+    assert block.sparse[1].tolist() == list(range(26))
+    assert block.sparse.dtype == np.uint32
+    assert summary.skipped == 0
+
+
+def test_gzip_equals_plain_and_crlf_and_no_final_newline(tmp_path):
+    lines = [line(str(i % 2), cats=[f"{i * 7919 + j:08x}" for j in range(26)]) for i in range(50)]
+    plain, _ = read_criteo([write(tmp_path / "a.tsv", lines)])
+    gz, _ = read_criteo([write(tmp_path / "a.tsv.gz", lines, gz=True)])
+    crlf, _ = read_criteo([write(tmp_path / "b.tsv", lines, end="\r\n")])
+    (tmp_path / "c.tsv").write_bytes("\n".join(lines).encode())  # no final newline
+    nofinal, _ = read_criteo([tmp_path / "c.tsv"])
+    for other in (gz, crlf, nofinal):
+        assert np.array_equal(other.sparse, plain.sparse)
+        assert np.array_equal(other.dense, plain.dense)
+        assert np.array_equal(other.labels, plain.labels)
+
+
+@pytest.mark.parametrize(
+    ("bad", "field", "reason"),
+    [
+        ("\t".join(line().split("\t")[:39]), "fields", BadLineReason.FIELD_COUNT),
+        (line() + "\textra", "fields", BadLineReason.FIELD_COUNT),
+        ("", "fields", BadLineReason.FIELD_COUNT),
+        (line(dense=["1"] * 5 + ["1.5"] + ["1"] * 7), "I6", BadLineReason.DENSE_NOT_INTEGER),
+        (line(dense=["x"] + ["1"] * 12), "I1", BadLineReason.DENSE_NOT_INTEGER),
+        (line(dense=["1"] * 12 + ["99999999999999999999"]), "I13", BadLineReason.DENSE_NOT_INTEGER),
+        (line(cats=["0"] * 25 + ["zz"]), "C26", BadLineReason.CATEGORICAL_NOT_HEX),
+        (line(cats=["123456789"] + ["0"] * 25), "C1", BadLineReason.CATEGORICAL_NOT_HEX),
+        (line(label="2"), "label", BadLineReason.LABEL_NOT_BINARY),
+        (line(label=""), "label", BadLineReason.LABEL_NOT_BINARY),
+    ],
+)
+def test_bad_line_names_file_line_field_or_is_counted(tmp_path, bad, field, reason):
+    p = write(tmp_path / "bad.tsv", [line(), line(), bad, line()])
+    with pytest.raises(DataError) as info:
+        read_criteo([p])
+    err = info.value
+    assert (err.path, err.line, err.field, err.reason) == (str(p), 3, field, reason)
+    assert f"{p}, line 3, field {field}" in str(err)
+    block, summary = read_criteo([p], on_bad_line="skip")
+    assert block.rows == 3
+    assert dict(summary.counts) == {reason.value: 1}
+    assert summary.skipped == 1
+    assert "skipped 1 bad lines" in summary.summary()
+    assert "line 3" in summary.examples[0]
+
+
+def test_line_numbers_across_blocks(tmp_path, monkeypatch):
+    monkeypatch.setattr(criteo_mod, "_BLOCK_BYTES", 1000)  # about 4 lines per block
+    lines = [line() for _ in range(40)]
+    lines[36] = line(label="7")
+    lines[21] = line(cats=["g"] * 26)
+    p = write(tmp_path / "many.tsv.gz", lines, gz=True)
+    with pytest.raises(DataError, match=r"line 22, field C1"):
+        read_criteo([p])
+    blocks = list(iter_criteo_blocks(p, on_bad_line="skip"))
+    assert len(blocks) > 5
+    assert sum(b.rows for b in blocks) == 38
+
+
+def test_missing_empty_truncated_and_directory(tmp_path):
+    with pytest.raises(DataFileNotFoundError, match=r"nope\.tsv"):
+        read_criteo([tmp_path / "nope.tsv"])
+    (tmp_path / "empty.tsv").write_bytes(b"")
+    with pytest.raises(DataError, match=r"empty\.tsv: the file is empty"):
+        read_criteo([tmp_path / "empty.tsv"])
+    (tmp_path / "empty.gz").write_bytes(gzip.compress(b""))
+    with pytest.raises(DataError, match="empty"):
+        read_criteo([tmp_path / "empty.gz"])
+    full = gzip.compress(("\n".join(line() for _ in range(2000)) + "\n").encode())
+    (tmp_path / "cut.gz").write_bytes(full[: len(full) // 2])
+    with pytest.raises(DataError, match=r"cut\.gz: corrupt or truncated gzip"):
+        read_criteo([tmp_path / "cut.gz"])
+    with pytest.raises(DataError, match="directory"):
+        read_criteo([tmp_path])
+
+
+# -- fuzzing: any line gives the documented error or a counted skip ---------------------
+
+_DENSE_OK = re.compile(r" *-?[0-9]+ *")
+_HEX_OK = re.compile(r"[0-9a-fA-F]{1,8}")
+
+
+def reference(text: str) -> tuple[bool, list[int] | None]:
+    """(valid?, [label, *raw dense, *raw cats]) by the documented rules."""
+    text = text.removesuffix("\r")
+    f = text.split("\t")
+    if len(f) != 40 or f[0] not in ("0", "1"):
+        return False, None
+    vals = [int(f[0])]
+    for d in f[1:14]:
+        if d and not (_DENSE_OK.fullmatch(d) and -(2**63) <= int(d) < 2**63):
+            return False, None
+        vals.append(int(d) if d else 0)
+    for c in f[14:]:
+        if c and not _HEX_OK.fullmatch(c):
+            return False, None
+        vals.append(int(c, 16) if c else 0)
+    return True, vals
+
+
+_junk = st.text(alphabet="0123456789abcdefABCDEFxz-+ .\r\té", max_size=10)
+_good_dense = st.one_of(st.just(""), st.integers(-(2**40), 2**40).map(str))
+_good_cat = st.one_of(st.just(""), st.integers(0, 2**32 - 1).map(lambda x: f"{x:08x}"))
+
+
+@st.composite
+def criteo_line(draw):
+    fields = [draw(st.sampled_from(["0", "1"]))]
+    fields += [draw(_good_dense) for _ in range(13)]
+    fields += [draw(_good_cat) for _ in range(26)]
+    for _ in range(draw(st.integers(0, 2))):  # corrupt a few fields, or drop / add some
+        i = draw(st.integers(0, len(fields) - 1))
+        fields[i] = draw(_junk)
+    if draw(st.integers(0, 9)) == 0:
+        fields = fields[: draw(st.integers(0, 39))]
+    return "\t".join(fields)
+
+
+@settings(
+    max_examples=50,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(lines=st.lists(criteo_line(), min_size=1, max_size=12))
+def test_fuzzed_lines_error_or_counted_skip(tmp_path, lines):
+    p = tmp_path / "fuzz.tsv"
+    p.write_bytes(("\n".join(lines) + "\n").encode())
+    ref = [reference(t) for t in lines]
+    good = [v for ok, v in ref if ok]
+    first_bad = next((i + 1 for i, (ok, _) in enumerate(ref) if not ok), None)
+    if first_bad is None:
+        block, _ = read_criteo([p])
+        assert block.rows == len(lines)
+    else:
+        with pytest.raises(DataError) as info:
+            read_criteo([p])
+        assert info.value.line == first_bad
+        fields = ("fields", "label", *criteo_mod.DENSE_FIELDS, *criteo_mod.SPARSE_FIELDS)
+        assert info.value.field in fields
+        assert str(p) in str(info.value)
+    if not good:
+        return
+    block, summary = read_criteo([p], on_bad_line="skip")
+    assert block.rows == len(good)
+    assert summary.skipped == len(lines) - len(good)
+    exp = np.array(good, dtype=np.int64)
+    assert block.labels.tolist() == exp[:, 0].tolist()
+    np.testing.assert_array_equal(block.dense, dense_transform(exp[:, 1:14]))
+    assert block.sparse.tolist() == exp[:, 14:].tolist()
+
+
+# -- the real samples --------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not KAGGLE.exists(), reason="shared Criteo sample not present")
+def test_real_kaggle_sample():
+    block, summary = read_criteo([KAGGLE])
+    assert block.rows == 12868
+    assert int(block.labels.sum()) == 3032  # PROVENANCE.md
+    assert summary.skipped == 0
+    with gzip.open(KAGGLE, "rt") as f:
+        first = f.readline().rstrip("\n").split("\t")
+    ok, vals = reference("\t".join(first))
+    assert ok
+    assert block.sparse[0].tolist() == vals[14:]
+
+
+@pytest.mark.skipif(not TB.exists(), reason="shared Criteo 1TB sample not present")
+def test_real_1tb_sample():
+    block, _ = read_criteo([TB])
+    assert block.rows == 1000
+    assert int(block.labels.sum()) == 21

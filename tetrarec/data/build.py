@@ -1,0 +1,144 @@
+"""``build_datasets``: the (train, eval) datasets a ``DataConfig`` describes.
+
+One loader per source, in the ``LOADERS`` registry keyed by ``DataSource``; row ranges
+and the evaluation split are applied the same way for every file source.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from tetrarec.data.binary import open_binary
+from tetrarec.data.config import DataConfig, DataSource
+from tetrarec.data.criteo import read_criteo
+from tetrarec.data.datasets import ColumnsDataset, Dataset, RowRange
+from tetrarec.data.parquet import ParquetDataset
+from tetrarec.data.synthetic import SyntheticDataset
+from tetrarec.embedding.config import TableConfig
+
+__all__ = ["LOADERS", "build_datasets"]
+
+logger = logging.getLogger(__name__)
+
+_HOLDOUT = 10  # without eval_path and eval_rows, the last 1/10 of the rows is held out
+
+
+def _load_criteo(
+    paths: tuple[str, ...], config: DataConfig, tables: Sequence[TableConfig]
+) -> Dataset:
+    block, bad = read_criteo(paths, on_bad_line=config.on_bad_line)
+    return ColumnsDataset(
+        labels=block.labels, dense=block.dense, sparse=block.sparse, tables=tables, bad_lines=bad
+    )
+
+
+def _load_binary(
+    paths: tuple[str, ...], config: DataConfig, tables: Sequence[TableConfig]
+) -> Dataset:
+    cols = open_binary(paths[0])
+    return ColumnsDataset(
+        labels=cols.labels,
+        dense=cols.dense,
+        sparse=cols.sparse,
+        tables=tables,
+        bad_lines=cols.bad_lines,
+    )
+
+
+def _load_parquet(
+    paths: tuple[str, ...], config: DataConfig, tables: Sequence[TableConfig]
+) -> Dataset:
+    return ParquetDataset(
+        paths,
+        dense_columns=config.dense_columns,
+        sparse_columns=config.sparse_columns,
+        label_column=config.label_column,
+        tables=tables,
+    )
+
+
+LOADERS: dict[
+    DataSource, Callable[[tuple[str, ...], DataConfig, Sequence[TableConfig]], Dataset]
+] = {
+    DataSource.CRITEO: _load_criteo,
+    DataSource.BINARY: _load_binary,
+    DataSource.PARQUET: _load_parquet,
+}
+
+
+def _rows(base: Dataset, rows: tuple[int, int] | None) -> Dataset:
+    return base if rows is None else RowRange(base, *rows)
+
+
+def _split_one_input(base: Dataset, config: DataConfig) -> tuple[Dataset, Dataset]:
+    """Train and eval rows of one input (``eval_path`` empty)."""
+    n = base.num_samples
+    train_rows, eval_rows = config.train_rows, config.eval_rows
+    if eval_rows is None:
+        if train_rows is not None:
+            eval_rows = (train_rows[1], n)  # the rows after the training rows
+        else:
+            cut = n - max(1, n // _HOLDOUT)
+            train_rows, eval_rows = (0, cut), (cut, n)
+            logger.info(
+                "no eval_path or eval_rows: training on rows %s, evaluating on rows %s",
+                train_rows,
+                eval_rows,
+            )
+        if eval_rows[0] >= n:
+            raise ValueError(
+                f"train_rows {train_rows} leave no rows of the {n} for evaluation; "
+                "set eval_rows or eval_path"
+            )
+    tr = (0, n) if train_rows is None else train_rows
+    if max(tr[0], eval_rows[0]) < min(tr[1], eval_rows[1]):
+        logger.warning("train rows %s and eval rows %s overlap", tr, eval_rows)
+    return _rows(base, train_rows), _rows(base, eval_rows)
+
+
+def build_datasets(config: DataConfig, tables: Sequence[TableConfig]) -> tuple[Dataset, Dataset]:
+    """Build the training and evaluation datasets.
+
+    Feature ``i`` of the data is ``feature_order(tables)[i]``; Criteo, binary and parquet
+    categorical values are hashed into each feature's table ``num_embeddings``.
+
+    Args:
+        config: the data configuration.
+        tables: the model's tables.
+
+    Returns:
+        ``(train, eval)``. File datasets carry ``bad_lines`` (a ``BadLineSummary``).
+
+    Raises:
+        DataFileNotFoundError: if an input is missing.
+        DataError: for bad input data (see the readers).
+        ValueError: if the tables do not match the data's features, or a row range
+            does not fit the data.
+    """
+    if config.source == DataSource.SYNTHETIC:
+        syn = config.synthetic
+        if config.train_rows is not None or config.eval_rows is not None:
+            logger.warning(
+                "train_rows/eval_rows select rows of train_path files; the synthetic source "
+                "ignores them (its splits are synthetic.num_samples and eval_samples)"
+            )
+        train = SyntheticDataset(syn, tables, num_samples=syn.num_samples)
+        held_out = SyntheticDataset(
+            syn, tables, num_samples=syn.eval_samples, row_offset=syn.num_samples
+        )
+        return train, held_out
+    load = LOADERS[DataSource(config.source)]
+    base = load(config.train_path, config, tables)
+    _log_bad_lines(base, config.train_path)
+    if not config.eval_path:
+        return _split_one_input(base, config)
+    eval_base = load(config.eval_path, config, tables)
+    _log_bad_lines(eval_base, config.eval_path)
+    return _rows(base, config.train_rows), _rows(eval_base, config.eval_rows)
+
+
+def _log_bad_lines(dataset: Dataset, paths: tuple[str, ...]) -> None:
+    bad = getattr(dataset, "bad_lines", None)
+    if bad is not None and bad.skipped:
+        logger.warning("%s: %s", ", ".join(paths), bad.summary())
