@@ -1,0 +1,134 @@
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from tetrarec.train.checkpoint import (
+    CheckpointData,
+    capture_rng_state,
+    flatten_optimizer_state,
+    latest_checkpoint,
+    list_checkpoints,
+    prune_checkpoints,
+    read_checkpoint,
+    restore_rng_state,
+    unflatten_optimizer_state,
+    write_checkpoint,
+)
+from tetrarec.train.optim import RowWiseAdagrad
+
+
+def _data(step: int) -> CheckpointData:
+    return CheckpointData(
+        step=step, tensors={"w": torch.full((2, 3), float(step))}, meta={"k": [1, 2]}
+    )
+
+
+def test_write_read_round_trip_and_no_pickle(tmp_path) -> None:
+    path = write_checkpoint(tmp_path, _data(5))
+    assert path.name == "step_00000005"
+    assert sorted(p.name for p in path.iterdir()) == ["meta.json", "tensors.safetensors"]
+    back = read_checkpoint(path)
+    assert back.step == 5
+    assert torch.equal(back.tensors["w"], torch.full((2, 3), 5.0))
+    assert back.meta["k"] == [1, 2]
+    assert json.loads((path / "meta.json").read_text())["format"] == 1
+
+
+def test_crash_before_rename_leaves_no_complete_looking_checkpoint(tmp_path, monkeypatch) -> None:
+    write_checkpoint(tmp_path, _data(1))
+
+    def crash(src, dst):
+        raise OSError("simulated crash before the rename")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        write_checkpoint(tmp_path, _data(2))
+    monkeypatch.undo()
+    # the half-done write is a temporary directory that nothing picks up
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001"]
+    assert latest_checkpoint(tmp_path).name == "step_00000001"
+    assert any(p.name.startswith(".tmp-step_00000002") for p in tmp_path.iterdir())
+    # the next save removes the leftover
+    write_checkpoint(tmp_path, _data(3))
+    assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
+    assert latest_checkpoint(tmp_path).name == "step_00000003"
+
+
+def test_incomplete_directory_is_not_a_checkpoint(tmp_path) -> None:
+    (tmp_path / "step_00000009").mkdir()
+    (tmp_path / "step_00000009" / "tensors.safetensors").write_bytes(b"")
+    assert latest_checkpoint(tmp_path) is None
+    with pytest.raises(FileNotFoundError, match="not a checkpoint"):
+        read_checkpoint(tmp_path / "step_00000009")
+
+
+def test_rewrite_same_step_replaces_and_prune_keeps_newest(tmp_path) -> None:
+    for s in (1, 2, 3, 3, 4):
+        write_checkpoint(tmp_path, _data(s))
+    deleted = prune_checkpoints(tmp_path, keep=2)
+    assert [p.name for p in deleted] == ["step_00000001", "step_00000002"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003", "step_00000004"]
+    assert latest_checkpoint(tmp_path / "missing") is None
+
+
+def _trained(opt_factory, sparse: bool) -> tuple[nn.Parameter, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    bag = nn.EmbeddingBag(6, 3, sparse=sparse)
+    opt = opt_factory([bag.weight])
+    for ids in ([1, 2, 2], [0, 5, 1]):
+        opt.zero_grad()
+        bag(torch.tensor(ids), torch.tensor([0])).pow(2).sum().backward()
+        opt.step()
+    return bag.weight, opt
+
+
+@pytest.mark.parametrize(
+    ("factory", "sparse"),
+    [
+        (lambda ps: torch.optim.Adam(ps, lr=0.1, betas=(0.8, 0.9)), False),
+        (lambda ps: torch.optim.Adagrad(ps, lr=0.1), True),
+        (lambda ps: torch.optim.SparseAdam(ps, lr=0.1), True),
+        (lambda ps: RowWiseAdagrad(ps, lr=0.1), True),
+    ],
+)
+def test_optimizer_state_flatten_round_trip_through_files(tmp_path, factory, sparse) -> None:
+    w, opt = _trained(factory, sparse)
+    tensors, extra = flatten_optimizer_state(opt.state_dict(), "opt")
+    path = write_checkpoint(tmp_path, CheckpointData(step=1, tensors=tensors, meta={"opt": extra}))
+    data = read_checkpoint(path)
+    fresh_w = nn.Parameter(w.detach().clone())
+    fresh = factory([fresh_w])
+    fresh.load_state_dict(unflatten_optimizer_state(data.tensors, data.meta["opt"], "opt"))
+    want, got = opt.state_dict(), fresh.state_dict()
+    assert got["param_groups"] == want["param_groups"]
+    for idx, entry in want["state"].items():
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(got["state"][idx][name], value), name
+            else:
+                assert got["state"][idx][name] == value, name
+
+
+def test_rng_states_round_trip(tmp_path) -> None:
+    torch.manual_seed(3)
+    np.random.seed(4)
+    random.seed(5)
+    torch.randn(3), np.random.rand(), random.random(), np.random.randn()
+    tensors, extra = capture_rng_state()
+    path = write_checkpoint(tmp_path, CheckpointData(step=1, tensors=tensors, meta={"rng": extra}))
+    want = (torch.randn(4), np.random.rand(3), np.random.randn(2), random.random())
+    torch.manual_seed(99)
+    np.random.seed(99)
+    random.seed(99)
+    data = read_checkpoint(path)
+    restore_rng_state(data.tensors, data.meta["rng"])
+    got = (torch.randn(4), np.random.rand(3), np.random.randn(2), random.random())
+    assert torch.equal(got[0], want[0])
+    assert np.array_equal(got[1], want[1])
+    assert np.array_equal(got[2], want[2])
+    assert got[3] == want[3]

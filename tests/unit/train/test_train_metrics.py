@@ -1,0 +1,94 @@
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tetrarec.train.metrics import MetricAccumulator, compute_metrics
+
+
+def brute_force_auc(scores: list[float], labels: list[int]) -> float:
+    """Count every (positive, negative) pair: 1 if ordered right, 1/2 if tied."""
+    pos = [s for s, y in zip(scores, labels) if y == 1]
+    neg = [s for s, y in zip(scores, labels) if y == 0]
+    total = 0.0
+    for p, n in itertools.product(pos, neg):
+        total += 1.0 if p > n else 0.5 if p == n else 0.0
+    return total / (len(pos) * len(neg))
+
+
+def direct_formulas(z: np.ndarray, y: np.ndarray) -> dict[str, float]:
+    p = 1.0 / (1.0 + np.exp(-z))
+    log_loss = -np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))
+    c = y.mean()
+    entropy = -(c * math.log(c) + (1 - c) * math.log(1 - c))
+    return {
+        "log_loss": log_loss,
+        "ne": log_loss / entropy,
+        "calibration": p.mean() / c,
+        "accuracy": np.mean((p >= 0.5) == (y == 1)),
+    }
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("levels", [3, 1000])  # 3 distinct scores: many ties
+def test_auc_matches_brute_force_pair_count(seed: int, levels: int) -> None:
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 2, size=200)
+    z = np.round(rng.normal(size=200) + y * 0.7, 0 if levels == 3 else 6)
+    got = compute_metrics(torch.tensor(z), torch.tensor(y, dtype=torch.float32)).auc
+    assert got == pytest.approx(brute_force_auc(z.tolist(), y.tolist()), abs=1e-12)
+
+
+def test_auc_all_tied_is_half_and_one_class_is_nan() -> None:
+    y = torch.tensor([0.0, 1.0, 0.0, 1.0])
+    assert compute_metrics(torch.zeros(4), y).auc == 0.5
+    assert math.isnan(compute_metrics(torch.randn(4), torch.ones(4)).auc)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_loss_ne_calibration_accuracy_match_direct_formulas(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 2, size=300).astype(np.float64)
+    z = rng.normal(scale=2.0, size=300)
+    m = compute_metrics(torch.tensor(z), torch.tensor(y))
+    want = direct_formulas(z, y)
+    assert m.log_loss == pytest.approx(want["log_loss"], rel=1e-12)
+    assert m.ne == pytest.approx(want["ne"], rel=1e-12)
+    assert m.calibration == pytest.approx(want["calibration"], rel=1e-12)
+    assert m.accuracy == pytest.approx(want["accuracy"], abs=0)
+    assert m.num_samples == 300
+    assert m.ctr == pytest.approx(y.mean())
+
+
+def test_constant_prediction_at_base_rate_has_ne_one() -> None:
+    y = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    z = torch.full((4,), math.log(0.25 / 0.75), dtype=torch.float64)
+    m = compute_metrics(z, y)
+    assert m.ne == pytest.approx(1.0, rel=1e-12)
+    assert m.calibration == pytest.approx(1.0, rel=1e-12)
+
+
+def test_saturated_logits_stay_finite() -> None:
+    m = compute_metrics(torch.tensor([800.0, -800.0]), torch.tensor([0.0, 1.0]))
+    assert m.log_loss == pytest.approx(800.0)
+
+
+def test_accumulator_equals_one_shot() -> None:
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(100, generator=g)
+    y = (torch.rand(100, generator=g) < 0.3).float()
+    acc = MetricAccumulator()
+    for lo in range(0, 100, 33):
+        acc.update(z[lo : lo + 33], y[lo : lo + 33])
+    assert acc.compute() == compute_metrics(z, y)
+
+
+def test_bad_inputs_raise() -> None:
+    with pytest.raises(ValueError, match="3 logits but 2 labels"):
+        compute_metrics(torch.zeros(3), torch.zeros(2))
+    with pytest.raises(ValueError, match="labels must be 0 or 1"):
+        compute_metrics(torch.zeros(2), torch.tensor([0.0, 0.5]))
+    with pytest.raises(ValueError, match="no batches"):
+        MetricAccumulator().compute()

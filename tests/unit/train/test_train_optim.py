@@ -1,0 +1,145 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tetrarec.config import DecayKind, DenseOptimizerKind, OptimConfig
+from tetrarec.embedding import SparseOptimizerSpec
+from tetrarec.train.optim import (
+    RowWiseAdagrad,
+    build_dense_optimizer,
+    build_sparse_optimizer,
+    set_learning_rate,
+)
+from tetrarec.train.schedule import lr_scale
+from tetrarec.types import OptimizerKind
+
+IDS = [torch.tensor([1, 3, 3, 7]), torch.tensor([3, 0, 1, 1]), torch.tensor([7, 7, 2, 3])]
+
+
+def _bag(seed: int = 0) -> nn.EmbeddingBag:
+    torch.manual_seed(seed)
+    return nn.EmbeddingBag(8, 4, mode="sum", sparse=True)
+
+
+def _loss(weight_out: torch.Tensor, step: int) -> torch.Tensor:
+    target = torch.arange(weight_out.numel(), dtype=torch.float32).view_as(weight_out) / 10
+    return ((weight_out - target * (step + 1)) ** 2).sum()
+
+
+def _sparse_steps(opt_factory, steps: int = 3) -> tuple[torch.Tensor, torch.optim.Optimizer]:
+    bag = _bag()
+    opt = opt_factory([bag.weight])
+    for s, ids in enumerate(IDS[:steps]):
+        opt.zero_grad()
+        _loss(bag(ids, torch.tensor([0, 2])), s).backward()
+        opt.step()
+    return bag.weight.detach().clone(), opt
+
+
+def _rowwise_reference(lr: float, eps: float, wd: float, init: float) -> torch.Tensor:
+    """The published rule on a dense copy, row by row, written out plainly."""
+    bag = _bag()
+    w = bag.weight.detach().clone()
+    acc = torch.full((8,), init)
+    for s, ids in enumerate(IDS):
+        wv = w.clone().requires_grad_(True)
+        out = torch.nn.functional.embedding_bag(ids, wv, torch.tensor([0, 2]), mode="sum")
+        _loss(out, s).backward()
+        g = wv.grad
+        for r in sorted(set(ids.tolist())):
+            gr = g[r] + wd * w[r]
+            acc[r] += (gr * gr).mean()
+            w[r] -= lr * gr / (math.sqrt(acc[r]) + eps)
+    return w
+
+
+@pytest.mark.parametrize(("wd", "init"), [(0.0, 0.0), (0.1, 0.5)])
+def test_rowwise_adagrad_matches_plain_rule_with_repeated_ids(wd: float, init: float) -> None:
+    got, opt = _sparse_steps(
+        lambda ps: RowWiseAdagrad(ps, lr=0.1, eps=1e-6, weight_decay=wd, initial_accumulator=init)
+    )
+    want = _rowwise_reference(0.1, 1e-6, wd, init)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # rows never touched (4, 5, 6) keep their initial value and accumulator
+    torch.testing.assert_close(got[4:7], _bag().weight.detach()[4:7], rtol=0, atol=0)
+    assert opt.state[opt.param_groups[0]["params"][0]]["sum"][4:7].tolist() == [init] * 3
+
+
+def test_rowwise_adagrad_dense_grad_equals_sparse_grad() -> None:
+    sparse, _ = _sparse_steps(lambda ps: RowWiseAdagrad(ps, lr=0.1), steps=1)
+    bag = _bag()
+    dense_w = nn.Parameter(bag.weight.detach().clone())
+    opt = RowWiseAdagrad([dense_w], lr=0.1)
+    out = torch.nn.functional.embedding_bag(IDS[0], dense_w, torch.tensor([0, 2]), mode="sum")
+    _loss(out, 0).backward()
+    opt.step()
+    touched = sorted(set(IDS[0].tolist()))
+    torch.testing.assert_close(dense_w.detach()[touched], sparse[touched])
+
+
+@pytest.mark.parametrize(
+    ("kind", "dense_factory"),
+    [
+        (OptimizerKind.SGD, lambda ps: torch.optim.SGD(ps, lr=0.05)),
+        (OptimizerKind.ADAGRAD, lambda ps: torch.optim.Adagrad(ps, lr=0.05, eps=1e-8)),
+    ],
+)
+def test_sparse_builders_match_torch_dense_optimizers(kind, dense_factory) -> None:
+    spec = SparseOptimizerSpec(kind=kind, lr=0.05)
+    got, _ = _sparse_steps(lambda ps: build_sparse_optimizer(spec, ps))
+    bag = _bag()
+    w = nn.Parameter(bag.weight.detach().clone())
+    opt = dense_factory([w])
+    for s, ids in enumerate(IDS):
+        opt.zero_grad()
+        out = torch.nn.functional.embedding_bag(ids, w, torch.tensor([0, 2]), mode="sum")
+        _loss(out, s).backward()
+        opt.step()
+    torch.testing.assert_close(got, w.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_sparse_adam_builds_sparse_adam() -> None:
+    spec = SparseOptimizerSpec(kind=OptimizerKind.ADAM, lr=0.05, beta1=0.8, beta2=0.9)
+    _, opt = _sparse_steps(lambda ps: build_sparse_optimizer(spec, ps))
+    assert isinstance(opt, torch.optim.SparseAdam)
+    assert opt.param_groups[0]["betas"] == (0.8, 0.9)
+
+
+def test_unsupported_sparse_settings_raise() -> None:
+    w = [nn.Parameter(torch.zeros(3, 2))]
+    with pytest.raises(ValueError, match=r"rowwise_adam.*not available.*fused"):
+        build_sparse_optimizer(SparseOptimizerSpec(kind=OptimizerKind.ROWWISE_ADAM), w)
+    with pytest.raises(ValueError, match=r"weight_decay=0\.1"):
+        build_sparse_optimizer(SparseOptimizerSpec(kind="adagrad", weight_decay=0.1), w)
+    with pytest.raises(ValueError, match="2-D"):
+        RowWiseAdagrad([nn.Parameter(torch.zeros(3))])
+
+
+@pytest.mark.parametrize("kind", list(DenseOptimizerKind))
+def test_dense_builders_and_set_learning_rate(kind: DenseOptimizerKind) -> None:
+    p = nn.Parameter(torch.ones(2))
+    opt = build_dense_optimizer(OptimConfig(dense=kind, dense_lr=0.3), [p])
+    assert opt.param_groups[0]["lr"] == 0.3
+    set_learning_rate(opt, 0.01)
+    assert opt.param_groups[0]["lr"] == 0.01
+
+
+def test_schedule_warmup_then_linear_and_cosine_decay() -> None:
+    lin = OptimConfig(
+        warmup_steps=4, decay=DecayKind.LINEAR, decay_start=8, decay_steps=8, min_lr_scale=0.25
+    )
+    assert [lr_scale(s, lin) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_scale(7, lin) == 1.0
+    assert lr_scale(8, lin) == 1.0
+    assert lr_scale(12, lin) == pytest.approx(1 - 0.75 * 0.5)
+    assert lr_scale(16, lin) == pytest.approx(0.25)
+    assert lr_scale(1000, lin) == pytest.approx(0.25)
+    cos = OptimConfig(decay=DecayKind.COSINE, decay_start=0, decay_steps=10, min_lr_scale=0.0)
+    assert lr_scale(0, cos) == 1.0
+    assert lr_scale(5, cos) == pytest.approx(0.5)
+    assert lr_scale(10, cos) == pytest.approx(0.0)
+    assert lr_scale(3, OptimConfig()) == 1.0
+    with pytest.raises(ValueError, match="decay_steps"):
+        OptimConfig(decay=DecayKind.COSINE, decay_steps=0)

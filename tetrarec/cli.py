@@ -1,0 +1,186 @@
+"""The ``tetrarec`` command (also ``python -m tetrarec``); it holds no logic of its own.
+
+::
+
+    tetrarec demo                                   small DLRM on built-in data, CPU
+    tetrarec train --config run.toml [--set k=v ...] [--resume] [--json PATH]
+    tetrarec eval --checkpoint DIR [--data PATH ...] [--set k=v ...] [--json PATH]
+    tetrarec preprocess criteo --input FILE ... --output DIR [--on-bad-line skip]
+    tetrarec bench NAME [args ...]                  runs benchmarks/bench_NAME.py
+
+Errors in the user's input (config, data, checkpoint) print one line and exit 2; a
+run stopped by a non-finite loss exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _add_set(p: argparse.ArgumentParser, *, hidden: bool = False) -> None:
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=argparse.SUPPRESS if hidden else "override a config key, e.g. train.steps=100",
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tetrarec", description="Train, evaluate and benchmark DLRM recommendation models."
+    )
+    parser.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser("demo", help="train a small DLRM on built-in synthetic data")
+    demo.add_argument("--json", metavar="PATH", help="write the run summary as JSON")
+    _add_set(demo, hidden=True)
+
+    train = sub.add_parser("train", help="train the run a TOML config describes")
+    train.add_argument("--config", required=True, type=Path, help="the run's TOML file")
+    _add_set(train)
+    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    train.add_argument("--json", metavar="PATH", help="write the run summary as JSON")
+
+    ev = sub.add_parser("eval", help="evaluate a checkpoint")
+    ev.add_argument("--checkpoint", required=True, type=Path, help="a checkpoint directory")
+    ev.add_argument(
+        "--data",
+        nargs="+",
+        default=[],
+        metavar="PATH",
+        help="data to evaluate on "
+        "(default: the run's evaluation split); the run's data.source applies",
+    )
+    _add_set(ev)
+    ev.add_argument("--json", metavar="PATH", help="write the metrics as JSON")
+
+    pre = sub.add_parser("preprocess", help="convert raw data to the fast binary format")
+    pre_sub = pre.add_subparsers(dest="format", required=True, metavar="FORMAT")
+    criteo = pre_sub.add_parser("criteo", help="Criteo TSV (plain or .gz) files")
+    criteo.add_argument("--input", nargs="+", required=True, type=Path, metavar="FILE")
+    criteo.add_argument("--output", required=True, type=Path, metavar="DIR")
+    criteo.add_argument("--on-bad-line", choices=("error", "skip"), default="error")
+    criteo.add_argument("--no-progress", action="store_true")
+
+    bench = sub.add_parser("bench", help="run benchmarks/bench_NAME.py from the source tree")
+    bench.add_argument("name")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script")
+    return parser
+
+
+def _write_json(path: str | None, payload: dict[str, Any]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from tetrarec.train import demo_config, train
+
+    config = demo_config().with_overrides(args.overrides)
+    if args.json:
+        config = config.with_overrides([f"train.json={args.json}"])
+    result = train(config)
+    assert result.final is not None
+    print(
+        f"AUC {result.final.auc:.4f}  NE {result.final.ne:.4f}  "
+        f"samples/s {result.samples_per_s:,.0f}  ({result.steps} steps)"
+    )
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from tetrarec.config import RunConfig
+    from tetrarec.train import train
+
+    config = RunConfig.from_toml(args.config).with_overrides(args.overrides)
+    if args.json:
+        config = config.with_overrides([f"train.json={args.json}"])
+    result = train(config, resume=args.resume)
+    if result.final is not None:
+        print(result.final.summary())
+    print(f"samples/s {result.samples_per_s:,.0f}  steps {result.steps}")
+    if result.checkpoint:
+        print(f"checkpoint {result.checkpoint}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from tetrarec.train import evaluate_checkpoint
+
+    metrics = evaluate_checkpoint(args.checkpoint, data=args.data, overrides=args.overrides)
+    print(metrics.summary())
+    _write_json(args.json, {"checkpoint": str(args.checkpoint), **metrics.to_dict()})
+    return 0
+
+
+def _preprocess(args: argparse.Namespace) -> int:
+    from tetrarec.data import preprocess_criteo
+
+    summary = preprocess_criteo(
+        args.input, args.output, on_bad_line=args.on_bad_line, progress=not args.no_progress
+    )
+    print(summary.summary())
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    script = _REPO_ROOT / "benchmarks" / f"bench_{args.name}.py"
+    if not script.is_file():
+        found = sorted(p.stem.removeprefix("bench_") for p in script.parent.glob("bench_*.py"))
+        raise ValueError(
+            f"no benchmark {args.name!r}: {script} does not exist (benchmarks live in the "
+            f"source tree, not in an installed package); available: {', '.join(found) or 'none'}"
+        )
+    # The script imports the tetrarec of this same source tree, installed or not.
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH")]))
+    return subprocess.call([sys.executable, str(script), *args.args], cwd=_REPO_ROOT, env=env)
+
+
+_COMMANDS = {
+    "demo": _demo,
+    "train": _train,
+    "eval": _eval,
+    "preprocess": _preprocess,
+    "bench": _bench,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command in ``argv`` (default ``sys.argv[1:]``); return the exit status."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from tetrarec.train import NonFiniteLossError
+
+    try:
+        with logging_redirect_tqdm():
+            return _COMMANDS[args.command](args)
+    except NonFiniteLossError as e:
+        print(f"tetrarec: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError) as e:
+        print(f"tetrarec {args.command}: error: {e}", file=sys.stderr)
+        return 2

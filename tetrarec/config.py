@@ -1,0 +1,434 @@
+"""``RunConfig``: everything one training run needs, as frozen typed sections.
+
+A run is described by a TOML file whose tables mirror the sections::
+
+    [data]            # tetrarec.data.DataConfig
+    batch_size = 2048
+    [data.synthetic]
+    num_samples = 1_000_000
+
+    [model]           # embedding settings, with the network in [model.dlrm]
+    num_sparse = 26
+    num_embeddings = 100_000          # or one value per table: [1000, 20000, ...]
+    [model.dlrm]      # tetrarec.models.DLRMConfig
+    bottom_mlp = [512, 256, 64]       # the last size is the embedding dim
+    top_mlp = [512, 256, 1]
+
+    [optim]           # dense optimizer and schedule
+    dense = "adagrad"
+    [optim.sparse]    # tetrarec.embedding.SparseOptimizerSpec
+    kind = "rowwise_adagrad"
+
+    [train]
+    steps = 1000
+
+Loading is strict: an unknown key is a ``ValueError`` that lists the valid keys of its
+section, and each value is converted to its field's declared type (``int`` fields reject
+``1.5``, enum fields take their string value). Dotted overrides such as
+``"train.steps=10"`` or ``"model.dlrm.bottom_mlp=[64,16]"`` are parsed as TOML values and
+converted the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tetrarec.data.config import DataConfig
+from tetrarec.embedding import SparseOptimizerSpec
+from tetrarec.models import DLRMConfig
+from tetrarec.types import PoolingMode, Precision
+
+__all__ = [
+    "DecayKind",
+    "DenseOptimizerKind",
+    "EmbeddingKind",
+    "ModelConfig",
+    "OptimConfig",
+    "RunConfig",
+    "TrainConfig",
+    "config_from_dict",
+    "config_to_dict",
+]
+
+
+class EmbeddingKind(enum.Enum):
+    """Which embedding module a run builds."""
+
+    REFERENCE = "reference"  # tetrarec.embedding.EmbeddingBagCollection + sparse optimizer
+    FUSED = "fused"  # tetrarec.kernels.FusedEmbeddingBagCollection (update in backward)
+
+
+class DenseOptimizerKind(enum.Enum):
+    """The ``torch.optim`` optimizer of the dense (MLP) parameters."""
+
+    SGD = "sgd"
+    ADAGRAD = "adagrad"
+    ADAM = "adam"
+
+
+class DecayKind(enum.Enum):
+    """The learning-rate decay after warm-up (see ``tetrarec.train.schedule``)."""
+
+    NONE = "none"
+    LINEAR = "linear"
+    COSINE = "cosine"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The embedding tables and the network.
+
+    Args:
+        num_sparse: sparse features, one table each (named ``C1``, ``C2``, ...).
+        num_embeddings: rows per table: one value for all, or one per table.
+        embedding: which embedding module to build.
+        precision: row storage of the tables (the reference module takes FP32 only).
+        pooling: how a bag's embeddings combine.
+        dlrm: the network (bottom MLP, interaction, top MLP). Its bottom MLP's last
+            size is the dim of every table (``embedding_dim``), stated once.
+
+    Raises:
+        ValueError: on a non-positive size or a per-table list of the wrong length.
+    """
+
+    num_sparse: int = 26
+    num_embeddings: int | tuple[int, ...] = 100_000
+    embedding: EmbeddingKind = EmbeddingKind.REFERENCE
+    precision: Precision = Precision.FP32
+    pooling: PoolingMode = PoolingMode.SUM
+    dlrm: DLRMConfig = field(default_factory=DLRMConfig)
+
+    def __post_init__(self) -> None:
+        if self.num_sparse <= 0:
+            raise ValueError(f"model.num_sparse must be positive, got {self.num_sparse}")
+        rows = self.table_rows
+        if len(rows) != self.num_sparse or min(rows) <= 0:
+            raise ValueError(
+                f"model.num_embeddings must be a positive int or {self.num_sparse} positive "
+                f"ints (one per table), got {self.num_embeddings}"
+            )
+
+    @property
+    def embedding_dim(self) -> int:
+        """The dim of every table: the bottom MLP's output size."""
+        return self.dlrm.embedding_dim
+
+    @property
+    def table_rows(self) -> tuple[int, ...]:
+        """Rows of each table."""
+        if isinstance(self.num_embeddings, int):
+            return (self.num_embeddings,) * self.num_sparse
+        return tuple(self.num_embeddings)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """Dense and sparse optimizers and the learning-rate schedule.
+
+    Args:
+        dense: the dense optimizer.
+        dense_lr: its base learning rate.
+        dense_eps: its epsilon (Adagrad, Adam).
+        dense_weight_decay: its L2 penalty.
+        sparse: the embedding optimizer (its ``lr`` is the sparse base learning rate).
+        warmup_steps: steps of linear warm-up from ``1/warmup_steps`` to 1.
+        decay: the decay shape after ``decay_start``.
+        decay_start: the first decayed step.
+        decay_steps: steps from the start of decay to ``min_lr_scale``.
+        min_lr_scale: the final fraction of the base learning rates.
+
+    Raises:
+        ValueError: on negative settings.
+    """
+
+    dense: DenseOptimizerKind = DenseOptimizerKind.ADAGRAD
+    dense_lr: float = 0.01
+    dense_eps: float = 1e-8
+    dense_weight_decay: float = 0.0
+    sparse: SparseOptimizerSpec = field(default_factory=SparseOptimizerSpec)
+    warmup_steps: int = 0
+    decay: DecayKind = DecayKind.NONE
+    decay_start: int = 0
+    decay_steps: int = 0
+    min_lr_scale: float = 0.0
+
+    def __post_init__(self) -> None:
+        bad = {
+            k: getattr(self, k)
+            for k in ("dense_lr", "dense_weight_decay", "warmup_steps", "decay_start")
+            if getattr(self, k) < 0
+        }
+        if self.dense_eps <= 0:
+            bad["dense_eps"] = self.dense_eps
+        if self.decay is not DecayKind.NONE and self.decay_steps <= 0:
+            bad["decay_steps"] = self.decay_steps
+        if not 0.0 <= self.min_lr_scale <= 1.0:
+            bad["min_lr_scale"] = self.min_lr_scale
+        if bad:
+            raise ValueError(f"bad optim settings {bad} (decay needs decay_steps > 0)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The loop: how long, how often to evaluate and checkpoint, where to write.
+
+    Args:
+        steps: total training steps (one global batch each).
+        eval_every: evaluate every this many steps (0: only at the end).
+        checkpoint_every: checkpoint every this many steps (0: only at the end).
+        checkpoint_dir: where checkpoints go; ``None`` writes none.
+        keep_checkpoints: how many of the newest checkpoints to keep.
+        seed: seeds model init, data order and every RNG.
+        deterministic: run under ``torch.use_deterministic_algorithms(True)``.
+        threads: torch intra-op threads (0: leave torch's default).
+        log_every: log the loss every this many steps.
+        json: write the run summary to this path.
+        tensorboard_dir: write TensorBoard scalars here (needs ``tensorboard``).
+        progress: show a progress bar on stderr.
+
+    Raises:
+        ValueError: on negative counts.
+    """
+
+    steps: int = 1000
+    eval_every: int = 0
+    checkpoint_every: int = 0
+    checkpoint_dir: str | None = None
+    keep_checkpoints: int = 3
+    seed: int = 0
+    deterministic: bool = False
+    threads: int = 0
+    log_every: int = 100
+    json: str | None = None
+    tensorboard_dir: str | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        counts = ("steps", "eval_every", "checkpoint_every", "threads", "log_every")
+        bad = {k: getattr(self, k) for k in counts if getattr(self, k) < 0}
+        if self.keep_checkpoints < 1:
+            bad["keep_checkpoints"] = self.keep_checkpoints
+        if bad:
+            raise ValueError(f"bad train settings {bad} (counts >= 0, keep_checkpoints >= 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """One training run: ``data``, ``model``, ``optim`` and ``train`` sections."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (enums as strings, tuples as lists, ``None`` left out)."""
+        return config_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> RunConfig:
+        """Build from a nested dict; missing keys take their defaults.
+
+        Raises:
+            ValueError: on an unknown key (listing the valid ones) or a bad value.
+        """
+        return config_from_dict(cls, values, "")
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> RunConfig:
+        """Load a TOML file (see the module docstring).
+
+        Raises:
+            ValueError: on a TOML syntax error, an unknown key or a bad value; the
+                message names the file.
+            FileNotFoundError: if the file does not exist.
+        """
+        path = Path(path)
+        try:
+            values = tomllib.loads(path.read_text())
+            return cls.from_dict(values)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path}: {e}") from e
+
+    def with_overrides(self, overrides: list[str] | tuple[str, ...]) -> RunConfig:
+        """Apply dotted ``"section.key=value"`` overrides, in order.
+
+        Raises:
+            ValueError: on a malformed override, an unknown key (listing the valid
+                ones) or a value of the wrong type.
+        """
+        values = self.to_dict()
+        for item in overrides:
+            key, sep, text = item.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"override {item!r} is not of the form section.key=value")
+            path = key.strip().split(".")
+            hint = _field_type(RunConfig, path)
+            node = values
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = _parse_text(text.strip(), hint)
+        return RunConfig.from_dict(values)
+
+
+# --- generic conversion between frozen dataclasses and plain dicts ---------------------
+
+
+def config_to_dict(obj: Any) -> Any:
+    """Convert a config dataclass (recursively) into TOML-compatible plain values."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if value is not None:
+                out[f.name] = config_to_dict(value)
+        return out
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, tuple | list):
+        return [config_to_dict(v) for v in obj]
+    return obj
+
+
+def config_from_dict(cls: type[Any], values: Any, where: str) -> Any:
+    """Build dataclass ``cls`` from ``values``, strictly (``where`` names the section).
+
+    Raises:
+        ValueError: on an unknown key (listing the valid ones) or a bad value.
+    """
+    if not isinstance(values, dict):
+        raise ValueError(f"{where or 'config'} must be a table, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ValueError(
+            f"unknown config key {prefix}{unknown[0]}; valid keys of "
+            f"{where or 'the top level'}: {', '.join(names)}"
+        )
+    kwargs = {k: _convert(hints[k], v, f"{where}.{k}" if where else k) for k, v in values.items()}
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where or 'config'}: {e}") from e
+
+
+def _convert(hint: Any, value: Any, where: str) -> Any:
+    """Convert ``value`` to the type ``hint`` (see ``config_from_dict``)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        arms = typing.get_args(hint)
+        if value is None and type(None) in arms:
+            return None
+        errors = []
+        for arm in (a for a in arms if a is not type(None)):
+            try:
+                return _convert(arm, value, where)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(" / ".join(errors))
+    if origin is tuple:
+        return _convert_tuple(typing.get_args(hint), value, where)
+    if dataclasses.is_dataclass(hint):
+        return config_from_dict(hint, value, where)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        if isinstance(value, hint):
+            return value
+        valid = ", ".join(str(m.value) for m in hint)
+        if isinstance(value, str):
+            for member in hint:
+                if str(member.value) == value.lower():
+                    return member
+        raise ValueError(f"{where}: {value!r} is not one of {valid}")
+    return _convert_scalar(hint, value, where)
+
+
+def _convert_tuple(args: tuple[Any, ...], value: Any, where: str) -> tuple[Any, ...]:
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"{where}: expected a list, got {value!r}")
+    if len(args) == 2 and args[1] is Ellipsis:
+        return tuple(_convert(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+    if len(args) != len(value):
+        raise ValueError(f"{where}: expected {len(args)} values, got {list(value)}")
+    return tuple(_convert(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+
+
+_SCALARS: dict[type, tuple[type, ...]] = {
+    bool: (bool,),
+    int: (int,),
+    float: (int, float),
+    str: (str,),
+}
+
+
+def _convert_scalar(hint: Any, value: Any, where: str) -> Any:
+    accepted = _SCALARS.get(hint)
+    if accepted is None:
+        raise TypeError(f"{where}: unsupported config field type {hint!r}")
+    # bool is an int subclass: an int field must not take True, nor a bool field 1.
+    if isinstance(value, bool) != (hint is bool) or not isinstance(value, accepted):
+        raise ValueError(f"{where}: expected {hint.__name__}, got {value!r}")
+    return hint(value)
+
+
+def _field_type(cls: type, path: list[str]) -> Any:
+    """The declared type of dotted ``path`` under dataclass ``cls``.
+
+    Raises:
+        ValueError: on an unknown key (listing the valid ones) or a path that stops at
+            a section.
+    """
+    hint: Any = cls
+    for i, part in enumerate(path):
+        sub = _dataclass_of(hint)
+        where = ".".join(path[:i]) or "the top level"
+        if sub is None:
+            raise ValueError(f"{'.'.join(path[:i])} is a value, not a section")
+        names = [f.name for f in dataclasses.fields(sub) if f.init]
+        if part not in names:
+            raise ValueError(
+                f"unknown config key {'.'.join(path[: i + 1])}; valid keys of {where}: "
+                f"{', '.join(names)}"
+            )
+        hint = typing.get_type_hints(sub)[part]
+    if _dataclass_of(hint) is not None:
+        raise ValueError(f"{'.'.join(path)} is a section; set one of its keys")
+    return hint
+
+
+def _dataclass_of(hint: Any) -> type | None:
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        return hint
+    return None
+
+
+def _parse_text(text: str, hint: Any) -> Any:
+    """Parse an override's text for a field of type ``hint``.
+
+    TOML syntax first (``10``, ``1e-3``, ``true``, ``[64, 16]``, ``"x"``); failing that, a
+    list field takes comma-separated items (``64,16`` or one bare path) and any other
+    field the bare text, which the type conversion then checks.
+    """
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    arms = typing.get_args(hint) if union else (hint,)
+    if type(None) in arms and text.lower() in ("none", "null"):
+        return None
+    if str in arms:
+        return text
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        pass
+    for arm in arms:
+        if typing.get_origin(arm) is tuple:
+            item = typing.get_args(arm)[0]
+            return [_parse_text(t.strip(), item) for t in text.split(",")]
+    return text

@@ -1,0 +1,113 @@
+"""Build a run's parts from its ``RunConfig``: tables, embedding module, model, optimizers.
+
+Each step is a small function so that tests, benchmarks and ``tetrarec eval`` build
+exactly what training builds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tetrarec.config import EmbeddingKind, ModelConfig, RunConfig
+from tetrarec.embedding import EmbeddingBagCollection, SparseOptimizerSpec, TableConfig
+from tetrarec.models import DLRM, build_model
+from tetrarec.train.optim import build_dense_optimizer, build_sparse_optimizer
+from tetrarec.types import Precision
+
+__all__ = ["EMBEDDINGS", "RunParts", "build_embeddings", "build_parts", "build_tables"]
+
+logger = logging.getLogger(__name__)
+
+
+def build_tables(model: ModelConfig) -> tuple[TableConfig, ...]:
+    """One table per sparse feature, named ``C1``, ``C2``, ... (the Criteo names).
+
+    Data sources map their i-th categorical input to the i-th table.
+    """
+    return tuple(
+        TableConfig(
+            name=f"C{i + 1}",
+            num_embeddings=rows,
+            dim=model.embedding_dim,
+            pooling=model.pooling,
+            precision=model.precision,
+        )
+        for i, rows in enumerate(model.table_rows)
+    )
+
+
+def _reference(tables: tuple[TableConfig, ...], spec: SparseOptimizerSpec, seed: int) -> nn.Module:
+    bad = [t.name for t in tables if t.precision is not Precision.FP32]
+    if bad:
+        raise ValueError(
+            f"the reference embedding stores FP32 rows only; tables {bad} ask for "
+            f"{tables[0].precision.value}: set model.embedding = 'fused'"
+        )
+    return EmbeddingBagCollection(tables, seed=seed)
+
+
+def _fused(tables: tuple[TableConfig, ...], spec: SparseOptimizerSpec, seed: int) -> nn.Module:
+    # Imported here: the kernels package compiles its CPU kernel on first use only.
+    from tetrarec.kernels import FusedEmbeddingBagCollection
+
+    return FusedEmbeddingBagCollection(tables, spec, seed=seed)
+
+
+EMBEDDINGS: dict[
+    EmbeddingKind, Callable[[tuple[TableConfig, ...], SparseOptimizerSpec, int], nn.Module]
+] = {
+    EmbeddingKind.REFERENCE: _reference,
+    EmbeddingKind.FUSED: _fused,
+}
+
+
+def build_embeddings(config: RunConfig, tables: tuple[TableConfig, ...]) -> nn.Module:
+    """The embedding module ``config.model.embedding`` names, seeded by ``train.seed``."""
+    return EMBEDDINGS[config.model.embedding](tables, config.optim.sparse, config.train.seed)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunParts:
+    """What a training run trains.
+
+    Args:
+        model: the DLRM (its embedding module is ``model.embeddings``).
+        dense_optimizer: updates the parameters outside the embedding module.
+        sparse_optimizer: updates the tables; ``None`` when the embedding module
+            applies its own update in backward (``fused_optimizer``).
+    """
+
+    model: DLRM
+    dense_optimizer: torch.optim.Optimizer
+    sparse_optimizer: torch.optim.Optimizer | None
+
+
+def build_parts(config: RunConfig, *, num_dense: int) -> RunParts:
+    """Build the model and its optimizers, all initialized from ``config.train.seed``.
+
+    Args:
+        config: the run.
+        num_dense: dense features the data provides (checked against the model).
+
+    Raises:
+        ValueError: if the data's dense width differs from ``model.dlrm.num_dense``.
+    """
+    if num_dense != config.model.dlrm.num_dense:
+        raise ValueError(
+            f"the data has {num_dense} dense features but model.dlrm.num_dense is "
+            f"{config.model.dlrm.num_dense}"
+        )
+    torch.manual_seed(config.train.seed)  # the dense layers draw from the global RNG
+    embeddings = build_embeddings(config, build_tables(config.model))
+    model = build_model(config.model.dlrm, embeddings)
+    dense_opt = build_dense_optimizer(config.optim, list(model.dense_parameters()))
+    sparse_opt = None
+    if not getattr(embeddings, "fused_optimizer", False):
+        sparse_params = list(embeddings.sparse_parameters())  # type: ignore[operator]  # protocol
+        sparse_opt = build_sparse_optimizer(config.optim.sparse, sparse_params)
+    return RunParts(model=model, dense_optimizer=dense_opt, sparse_optimizer=sparse_opt)

@@ -1,0 +1,226 @@
+"""Checkpoint files: safetensors plus JSON, written atomically, never pickle.
+
+A checkpoint is a directory ``<root>/step_<8 digits>/`` holding::
+
+    tensors.safetensors   every tensor: weights, optimizer state, RNG states
+    meta.json             everything else: step, data position, config, the non-tensor
+                          parts of optimizer and RNG states, format version
+
+It is written into ``<root>/.tmp-step_<...>-<pid>/`` and renamed into place only when
+both files are complete and flushed, so a crash leaves either the whole checkpoint or
+a temporary directory that ``latest_checkpoint`` never picks (and the next save removes).
+
+This module knows files and state layouts; ``tetrarec.train.state`` decides what a
+training run puts in them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "CheckpointData",
+    "capture_rng_state",
+    "flatten_optimizer_state",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "prune_checkpoints",
+    "read_checkpoint",
+    "restore_rng_state",
+    "unflatten_optimizer_state",
+    "write_checkpoint",
+]
+
+CHECKPOINT_FORMAT = 1
+_TENSORS = "tensors.safetensors"
+_META = "meta.json"
+_NAME = re.compile(r"^step_(\d{8,})$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointData:
+    """The contents of one checkpoint.
+
+    Args:
+        step: training steps done.
+        tensors: ``{name: tensor}``; names are dotted (``"model.top.0.weight"``).
+        meta: JSON-compatible values (the format version is added on write).
+    """
+
+    step: int
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(root: str | Path, data: CheckpointData) -> Path:
+    """Write ``data`` atomically as ``<root>/step_<step>``; return its path.
+
+    An existing checkpoint of the same step is replaced (the new one is complete
+    before the old one is removed).
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-step_*"):  # left by a crash; never complete
+        shutil.rmtree(stale, ignore_errors=True)
+    final = root / f"step_{data.step:08d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    tmp.mkdir()
+    tensors = {k: v.detach().cpu().contiguous() for k, v in data.tensors.items()}
+    save_file(tensors, str(tmp / _TENSORS))
+    meta = {"format": CHECKPOINT_FORMAT, "step": data.step, **data.meta}
+    with open(tmp / _META, "w") as f:
+        json.dump(meta, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    with open(tmp / _TENSORS, "rb") as f:
+        os.fsync(f.fileno())
+    if final.exists():
+        old = root / f".tmp-old-{final.name}-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(root)
+    return final
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest step first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _NAME.match(p.name)
+        if m and (p / _META).is_file() and (p / _TENSORS).is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root``, or ``None``."""
+    ckpts = list_checkpoints(root)
+    return ckpts[-1] if ckpts else None
+
+
+def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest checkpoints; return the deleted paths."""
+    ckpts = list_checkpoints(root)
+    doomed = ckpts[:-keep] if keep > 0 else ckpts
+    for p in doomed:
+        shutil.rmtree(p)
+    return doomed
+
+
+def read_checkpoint(path: str | Path) -> CheckpointData:
+    """Read a checkpoint directory written by ``write_checkpoint``.
+
+    Raises:
+        FileNotFoundError: if ``path`` is not a complete checkpoint.
+        ValueError: if its format version is unknown.
+    """
+    path = Path(path)
+    if not (path / _META).is_file() or not (path / _TENSORS).is_file():
+        raise FileNotFoundError(f"{path} is not a checkpoint (no {_META} and {_TENSORS})")
+    meta = json.loads((path / _META).read_text())
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(
+            f"{path}: checkpoint format {meta.get('format')!r}, this tetrarec reads "
+            f"{CHECKPOINT_FORMAT}"
+        )
+    return CheckpointData(
+        step=int(meta["step"]), tensors=load_file(str(path / _TENSORS)), meta=meta
+    )
+
+
+# --- optimizer and RNG states as named tensors plus JSON -------------------------------
+
+
+def flatten_optimizer_state(
+    state_dict: dict[str, Any], prefix: str
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split a ``torch.optim`` state dict into named tensors and a JSON part.
+
+    Tensors become ``"<prefix>.<param index>.<name>"``; non-tensor state values and
+    the parameter groups go to the JSON part.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for idx, entry in state_dict["state"].items():
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{prefix}.{idx}.{name}"] = value
+            else:
+                scalars.setdefault(str(idx), {})[name] = value
+    return tensors, {"scalars": scalars, "param_groups": state_dict["param_groups"]}
+
+
+def unflatten_optimizer_state(
+    tensors: dict[str, torch.Tensor], extra: dict[str, Any], prefix: str
+) -> dict[str, Any]:
+    """Inverse of ``flatten_optimizer_state``: a state dict for ``load_state_dict``."""
+    state: dict[int, dict[str, Any]] = {}
+    head = prefix + "."
+    for key, value in tensors.items():
+        if key.startswith(head):
+            idx, name = key[len(head) :].split(".", 1)
+            state.setdefault(int(idx), {})[name] = value
+    for idx, entry in extra["scalars"].items():
+        state.setdefault(int(idx), {}).update(entry)
+    groups = [_tuples_back(g) for g in extra["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _tuples_back(group: dict[str, Any]) -> dict[str, Any]:
+    # JSON turns tuples (Adam's betas) into lists; torch.optim expects tuples there.
+    return {k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in group.items()}
+
+
+def capture_rng_state(prefix: str = "rng") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The torch CPU, numpy and python RNG states as named tensors plus JSON."""
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
+    py_version, py_internal, py_gauss = random.getstate()
+    tensors = {
+        f"{prefix}.torch": torch.get_rng_state(),  # uint8
+        f"{prefix}.numpy": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
+        f"{prefix}.python": torch.tensor(py_internal, dtype=torch.int64),
+    }
+    extra = {
+        "numpy": [np_kind, int(np_pos), int(np_has_gauss), float(np_gauss)],
+        "python": [py_version, py_gauss],
+    }
+    return tensors, extra
+
+
+def restore_rng_state(
+    tensors: dict[str, torch.Tensor], extra: dict[str, Any], prefix: str = "rng"
+) -> None:
+    """Set the torch CPU, numpy and python RNGs from ``capture_rng_state``'s output."""
+    torch.set_rng_state(tensors[f"{prefix}.torch"])
+    np_kind, np_pos, np_has_gauss, np_gauss = extra["numpy"]
+    keys = tensors[f"{prefix}.numpy"].numpy().astype(np.uint32)
+    np.random.set_state((np_kind, keys, np_pos, np_has_gauss, np_gauss))
+    py_version, py_gauss = extra["python"]
+    internal = tuple(int(v) for v in tensors[f"{prefix}.python"].tolist())
+    random.setstate((py_version, internal, py_gauss))

@@ -1,0 +1,323 @@
+"""The training loop: steps, schedule, evaluation, checkpoints, progress and summary.
+
+One call, ``train(config)``, does a whole run::
+
+    1. build data, model and optimizers from the config (seeded by train.seed)
+    2. with resume: restore the newest checkpoint (weights, optimizer states, RNGs,
+       the data position) so the run continues bitwise as if never interrupted
+    3. for each step: set the scheduled learning rates, forward, BCE loss, stop on a
+       non-finite loss (before backward, so no bad update is ever applied), backward,
+       optimizer steps (a fused embedding module updates itself in backward)
+    4. every eval_every steps and at the end: exact metrics on the eval split
+    5. every checkpoint_every steps and at the end: an atomic checkpoint
+    6. a summary (``TrainResult``), also written as JSON when train.json is set
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import random
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F  # torch's convention
+from tqdm import tqdm
+
+from tetrarec.config import RunConfig, TrainConfig
+from tetrarec.data import BatchLoader, build_datasets
+from tetrarec.sparse import Batch
+from tetrarec.train.build import RunParts, build_parts, build_tables
+from tetrarec.train.checkpoint import latest_checkpoint
+from tetrarec.train.evaluate import evaluate
+from tetrarec.train.metrics import Metrics
+from tetrarec.train.optim import set_learning_rate
+from tetrarec.train.schedule import lr_scale
+from tetrarec.train.state import load_run_state, save_run_state
+
+__all__ = ["NonFiniteLossError", "TrainResult", "train"]
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss of a step was nan or inf; training stopped before applying it.
+
+    Attributes:
+        step: the 1-based number of the failed step.
+        checkpoint: the newest checkpoint (written before the failure), if any.
+    """
+
+    def __init__(self, step: int, loss: float, checkpoint: Path | None) -> None:
+        where = f"the last good checkpoint is {checkpoint}" if checkpoint else "no checkpoint"
+        super().__init__(f"non-finite loss ({loss}) at step {step}; training stopped; {where}")
+        self.step = step
+        self.checkpoint = checkpoint
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainResult:
+    """The summary of a run.
+
+    Args:
+        steps: steps done in total (including those before a resume).
+        start_step: the step this process started from (0 unless resumed).
+        samples_per_s: training samples per second in this process (evaluation and
+            checkpoint time excluded).
+        train_seconds: seconds spent in training steps in this process.
+        final: metrics of the final evaluation (``None`` with no eval data).
+        evals: ``(step, metrics)`` of every evaluation, in order.
+        checkpoint: the last checkpoint written, if any.
+    """
+
+    steps: int
+    start_step: int
+    samples_per_s: float
+    train_seconds: float
+    final: Metrics | None
+    evals: tuple[tuple[int, Metrics], ...]
+    checkpoint: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values for the JSON summary."""
+        return {
+            "steps": self.steps,
+            "start_step": self.start_step,
+            "samples_per_s": self.samples_per_s,
+            "train_seconds": self.train_seconds,
+            "final": self.final.to_dict() if self.final else None,
+            "evals": [{"step": s, **m.to_dict()} for s, m in self.evals],
+            "checkpoint": self.checkpoint,
+        }
+
+
+@contextlib.contextmanager
+def _runtime(config: TrainConfig) -> Iterator[None]:
+    """Thread count and deterministic mode for the run; restored afterwards."""
+    threads = torch.get_num_threads()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    if config.deterministic:
+        torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _summary_writer(config: TrainConfig) -> Any:
+    if config.tensorboard_dir is None:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ValueError(
+            f"train.tensorboard_dir is set but TensorBoard is not installed ({e}); "
+            "install it with `pip install tetrarec[tensorboard]` or unset the option"
+        ) from e
+    return SummaryWriter(config.tensorboard_dir)
+
+
+def train(config: RunConfig, *, resume: bool = False) -> TrainResult:
+    """Run the training ``config`` describes (see the module docstring).
+
+    Args:
+        config: the run.
+        resume: continue from the newest checkpoint in ``train.checkpoint_dir``.
+
+    Returns:
+        The run's summary.
+
+    Raises:
+        NonFiniteLossError: if a step's loss is not finite (naming the step).
+        ValueError: on a bad configuration, or ``resume`` without a checkpoint.
+    """
+    with _runtime(config.train):
+        run = _Run(config)
+        try:
+            if resume:
+                run.resume()
+            return run.run()
+        finally:
+            run.close()
+
+
+class _Run:
+    """The state of one ``train`` call; one method per phase of the loop."""
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+        # Every RNG starts from train.seed; a resume then restores the saved states.
+        random.seed(config.train.seed)
+        np.random.seed(config.train.seed)
+        torch.manual_seed(config.train.seed)
+        self.train_ds, self.eval_ds = build_datasets(config.data, build_tables(config.model))
+        self.parts: RunParts = build_parts(config, num_dense=self.train_ds.num_dense)
+        names = tuple(self.parts.model.embeddings.feature_names)
+        if tuple(self.train_ds.keys) != names:
+            raise ValueError(
+                f"the data's features {self.train_ds.keys} differ from the model's {names}"
+            )
+        self.step = 0
+        self.start_step = 0
+        self.last_checkpoint: Path | None = None
+        self.evals: list[tuple[int, Metrics]] = []
+        self.loader: BatchLoader | None = None
+        self.writer = _summary_writer(config.train)  # last: close() releases it
+
+    def resume(self) -> None:
+        root = self.config.train.checkpoint_dir
+        path = latest_checkpoint(root) if root else None
+        if path is None:
+            raise ValueError(f"resume: no checkpoint in train.checkpoint_dir={root!r}")
+        self.step, position = load_run_state(path, self.parts)
+        if position != self.step:
+            raise ValueError(f"{path}: data position {position} differs from step {self.step}")
+        if self.step > self.config.train.steps:
+            raise ValueError(
+                f"resume: {path} is at step {self.step}, past train.steps={self.config.train.steps}"
+            )
+        self.start_step = self.step
+        self.last_checkpoint = path
+        logger.info("resumed from %s at step %d", path, self.step)
+
+    def run(self) -> TrainResult:
+        tc, dc = self.config.train, self.config.data
+        self.loader = BatchLoader(
+            self.train_ds,
+            batch_size=dc.batch_size,
+            shuffle=dc.shuffle,
+            seed=tc.seed,
+            prefetch=dc.prefetch,
+            start_batch=self.step,
+        )
+        batches = iter(self.loader)
+        bar = tqdm(
+            total=tc.steps * dc.batch_size,
+            initial=min(self.step, tc.steps) * dc.batch_size,
+            unit="sample",
+            unit_scale=True,
+            file=sys.stderr,
+            disable=not tc.progress,
+            dynamic_ncols=True,
+        )
+        seconds = 0.0
+        with bar:
+            while self.step < tc.steps:
+                t0 = time.perf_counter()
+                loss = self._train_step(next(batches))
+                seconds += time.perf_counter() - t0
+                bar.update(dc.batch_size)
+                self._after_step(loss, bar)
+        if not self.evals or self.evals[-1][0] != self.step:
+            self._evaluate()
+        if tc.checkpoint_dir and (self.last_checkpoint is None or self._saved_step() != self.step):
+            self._checkpoint()
+        done = (self.step - self.start_step) * dc.batch_size
+        result = TrainResult(
+            steps=self.step,
+            start_step=self.start_step,
+            samples_per_s=done / seconds if seconds > 0 else 0.0,
+            train_seconds=seconds,
+            final=self.evals[-1][1] if self.evals else None,
+            evals=tuple(self.evals),
+            checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
+        )
+        if tc.json:
+            _write_json(tc.json, result, self.config)
+        return result
+
+    def _saved_step(self) -> int:
+        assert self.last_checkpoint is not None
+        return int(self.last_checkpoint.name.split("_")[-1])
+
+    def _train_step(self, batch: Batch) -> float:
+        parts, optim = self.parts, self.config.optim
+        scale = lr_scale(self.step, optim)
+        set_learning_rate(parts.dense_optimizer, optim.dense_lr * scale)
+        if parts.sparse_optimizer is not None:
+            set_learning_rate(parts.sparse_optimizer, optim.sparse.lr * scale)
+        else:
+            parts.model.embeddings.set_learning_rate(optim.sparse.lr * scale)  # type: ignore[operator]  # fused protocol
+        logits = parts.model(batch.dense, batch.sparse)  # (B,)
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            # Checked before backward: a fused module would apply the bad update there.
+            raise NonFiniteLossError(self.step + 1, value, self.last_checkpoint)
+        parts.dense_optimizer.zero_grad(set_to_none=True)
+        if parts.sparse_optimizer is not None:
+            parts.sparse_optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        parts.dense_optimizer.step()
+        if parts.sparse_optimizer is not None:
+            parts.sparse_optimizer.step()
+        self.step += 1
+        return value
+
+    def _after_step(self, loss: float, bar: tqdm[Any]) -> None:
+        tc = self.config.train
+        if self.writer is not None:
+            self.writer.add_scalar("train/loss", loss, self.step)
+            self.writer.add_scalar(
+                "train/lr_scale", lr_scale(self.step - 1, self.config.optim), self.step
+            )
+        if tc.log_every and self.step % tc.log_every == 0:
+            bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            logger.info("step %d/%d loss %.5f", self.step, tc.steps, loss)
+        if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps:
+            self._evaluate()
+        if (
+            tc.checkpoint_dir
+            and tc.checkpoint_every
+            and self.step % tc.checkpoint_every == 0
+            and self.step < tc.steps
+        ):
+            self._checkpoint()
+
+    def _evaluate(self) -> None:
+        if self.eval_ds is None or self.eval_ds.num_samples == 0:
+            return
+        metrics = evaluate(
+            self.parts.model, self.eval_ds, batch_size=self.config.data.eval_batch_size
+        )
+        self.evals.append((self.step, metrics))
+        logger.info("eval at step %d: %s", self.step, metrics.summary())
+        if self.writer is not None:
+            for name, value in metrics.to_dict().items():
+                self.writer.add_scalar(f"eval/{name}", value, self.step)
+
+    def _checkpoint(self) -> None:
+        tc = self.config.train
+        assert tc.checkpoint_dir is not None
+        self.last_checkpoint = save_run_state(
+            tc.checkpoint_dir,
+            self.parts,
+            step=self.step,
+            config=self.config,
+            keep=tc.keep_checkpoints,
+        )
+        logger.info("checkpoint %s", self.last_checkpoint)
+
+    def close(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _write_json(path: str, result: TrainResult, config: RunConfig) -> None:
+    payload = {**result.to_dict(), "config": config.to_dict()}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+    logger.info("wrote %s", path)

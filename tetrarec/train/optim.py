@@ -1,0 +1,214 @@
+"""Optimizers: dense (``torch.optim``) and sparse for the reference embedding collection.
+
+The reference ``EmbeddingBagCollection`` produces sparse row gradients; these builders
+turn a ``SparseOptimizerSpec`` into a ``torch.optim.Optimizer`` that accepts them:
+
+=================  ==========================================================
+kind               optimizer
+=================  ==========================================================
+sgd                ``torch.optim.SGD``
+adagrad            ``torch.optim.Adagrad``
+adam               ``torch.optim.SparseAdam``
+rowwise_adagrad    ``RowWiseAdagrad`` (below): one accumulator value per row
+=================  ==========================================================
+
+A fused embedding module (``fused_optimizer = True``) updates its rows in backward and
+gets no optimizer from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from tetrarec.config import DenseOptimizerKind, OptimConfig
+from tetrarec.embedding import SparseOptimizerSpec
+from tetrarec.types import OptimizerKind
+
+__all__ = [
+    "DENSE_OPTIMIZERS",
+    "SPARSE_OPTIMIZERS",
+    "RowWiseAdagrad",
+    "build_dense_optimizer",
+    "build_sparse_optimizer",
+    "set_learning_rate",
+]
+
+
+class RowWiseAdagrad(torch.optim.Optimizer):
+    """Row-wise Adagrad for 2-D parameters, with sparse or dense gradients.
+
+    For every touched row ``r`` with gradient ``g_r`` (duplicates summed first)::
+
+        g_r   <- g_r + weight_decay * w_r
+        s_r   <- s_r + mean(g_r ** 2)              # one state value per row
+        w_r   <- w_r - lr * g_r / (sqrt(s_r) + eps)
+
+    Rows absent from a sparse gradient are left unchanged (weight decay included).
+    A dense gradient touches every row.
+
+    Args:
+        params: ``(rows, dim)`` parameters.
+        lr: learning rate.
+        eps: added to the denominator.
+        weight_decay: L2 penalty on the touched rows.
+        initial_accumulator: the starting value of ``s``.
+
+    Raises:
+        ValueError: on a negative setting or a parameter that is not 2-D.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        *,
+        lr: float = 0.01,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        initial_accumulator: float = 0.0,
+    ) -> None:
+        if lr < 0 or eps <= 0 or weight_decay < 0 or initial_accumulator < 0:
+            raise ValueError(
+                f"RowWiseAdagrad: bad settings lr={lr} eps={eps} "
+                f"weight_decay={weight_decay} initial_accumulator={initial_accumulator}"
+            )
+        defaults = {
+            "lr": lr,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "initial_accumulator": initial_accumulator,
+        }
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dim() != 2:
+                    raise ValueError(f"RowWiseAdagrad needs 2-D parameters, got {tuple(p.shape)}")
+                self.state[p]["sum"] = torch.full(
+                    (p.shape[0],), float(group["initial_accumulator"]), dtype=p.dtype
+                ).to(p.device)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]  # torch's overloads
+        """Apply one update to every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                self._update(p, group)
+        return loss
+
+    def _update(self, p: torch.Tensor, group: dict[str, float]) -> None:
+        grad = p.grad
+        assert grad is not None
+        if grad.is_sparse:
+            grad = grad.coalesce()  # merges duplicate rows, sorts the row ids
+            rows = grad.indices()[0]  # (U,)
+            g = grad.values()  # (U, D)
+        else:
+            rows = torch.arange(p.shape[0], device=p.device)
+            g = grad
+        if group["weight_decay"] != 0:
+            g = g + group["weight_decay"] * p.index_select(0, rows)
+        acc = self.state[p]["sum"]
+        acc.index_add_(0, rows, g.pow(2).mean(dim=1))
+        std = acc.index_select(0, rows).sqrt_().add_(group["eps"])  # (U,)
+        p.index_add_(0, rows, g / std.unsqueeze(1), alpha=-group["lr"])
+
+
+def _sgd(params: Sequence[nn.Parameter], spec: SparseOptimizerSpec) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=spec.lr)
+
+
+def _adagrad(params: Sequence[nn.Parameter], spec: SparseOptimizerSpec) -> torch.optim.Optimizer:
+    return torch.optim.Adagrad(
+        params, lr=spec.lr, eps=spec.eps, initial_accumulator_value=spec.initial_accumulator
+    )
+
+
+def _adam(params: Sequence[nn.Parameter], spec: SparseOptimizerSpec) -> torch.optim.Optimizer:
+    return torch.optim.SparseAdam(
+        list(params), lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps
+    )
+
+
+def _rowwise_adagrad(
+    params: Sequence[nn.Parameter], spec: SparseOptimizerSpec
+) -> torch.optim.Optimizer:
+    return RowWiseAdagrad(
+        params,
+        lr=spec.lr,
+        eps=spec.eps,
+        weight_decay=spec.weight_decay,
+        initial_accumulator=spec.initial_accumulator,
+    )
+
+
+SparseBuilder = Callable[[Sequence[nn.Parameter], SparseOptimizerSpec], torch.optim.Optimizer]
+
+SPARSE_OPTIMIZERS: dict[OptimizerKind, SparseBuilder] = {
+    OptimizerKind.SGD: _sgd,
+    OptimizerKind.ADAGRAD: _adagrad,
+    OptimizerKind.ADAM: _adam,
+    OptimizerKind.ROWWISE_ADAGRAD: _rowwise_adagrad,
+}
+
+# torch's sparse-gradient optimizers reject weight decay; only our own rule applies it.
+_SPARSE_WEIGHT_DECAY = frozenset({OptimizerKind.ROWWISE_ADAGRAD})
+
+
+def build_sparse_optimizer(
+    spec: SparseOptimizerSpec, params: Sequence[nn.Parameter]
+) -> torch.optim.Optimizer:
+    """The optimizer for the sparse-gradient embedding ``params`` described by ``spec``.
+
+    Raises:
+        ValueError: if ``spec.kind`` has no sparse-gradient implementation, or asks for
+            weight decay that the implementation cannot apply.
+    """
+    builder = SPARSE_OPTIMIZERS.get(spec.kind)
+    if builder is None:
+        valid = ", ".join(k.value for k in SPARSE_OPTIMIZERS)
+        raise ValueError(
+            f"sparse optimizer {spec.kind.value!r} is not available for the reference "
+            f"embedding (valid: {valid}); use model.embedding = 'fused'"
+        )
+    if spec.weight_decay and spec.kind not in _SPARSE_WEIGHT_DECAY:
+        raise ValueError(
+            f"sparse optimizer {spec.kind.value!r} on the reference embedding cannot apply "
+            f"weight_decay={spec.weight_decay}; use rowwise_adagrad or the fused embedding"
+        )
+    return builder(params, spec)
+
+
+DenseBuilder = Callable[[Sequence[nn.Parameter], OptimConfig], torch.optim.Optimizer]
+
+DENSE_OPTIMIZERS: dict[DenseOptimizerKind, DenseBuilder] = {
+    DenseOptimizerKind.SGD: lambda ps, c: torch.optim.SGD(
+        ps, lr=c.dense_lr, weight_decay=c.dense_weight_decay
+    ),
+    DenseOptimizerKind.ADAGRAD: lambda ps, c: torch.optim.Adagrad(
+        ps, lr=c.dense_lr, eps=c.dense_eps, weight_decay=c.dense_weight_decay
+    ),
+    DenseOptimizerKind.ADAM: lambda ps, c: torch.optim.Adam(
+        ps, lr=c.dense_lr, eps=c.dense_eps, weight_decay=c.dense_weight_decay
+    ),
+}
+
+
+def build_dense_optimizer(
+    config: OptimConfig, params: Sequence[nn.Parameter]
+) -> torch.optim.Optimizer:
+    """The ``torch.optim`` optimizer for the dense (MLP) ``params``."""
+    return DENSE_OPTIMIZERS[config.dense](params, config)
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set the learning rate of every parameter group of ``optimizer``."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
