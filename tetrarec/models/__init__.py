@@ -1,0 +1,22 @@
+"""DLRM and DLRM-DCNv2 models; parallelism-free, they never import ``sharding``."""
+
+from tetrarec.models.config import DLRMConfig, InteractionImpl, ModelArch
+from tetrarec.models.dcn import DCNInteraction, LowRankCrossNet
+from tetrarec.models.dlrm import DLRM, INTERACTIONS, EmbeddingModule, build_model
+from tetrarec.models.interaction import DotInteraction, dot_interaction_reference
+from tetrarec.models.mlp import MLP
+
+__all__ = [
+    "DLRM",
+    "INTERACTIONS",
+    "MLP",
+    "DCNInteraction",
+    "DLRMConfig",
+    "DotInteraction",
+    "EmbeddingModule",
+    "InteractionImpl",
+    "LowRankCrossNet",
+    "ModelArch",
+    "build_model",
+    "dot_interaction_reference",
+]

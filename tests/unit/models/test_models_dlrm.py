@@ -1,0 +1,230 @@
+"""DLRM / DLRM-DCNv2: shapes, interaction parity, cross-layer formula, seeds, BF16, training."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tetrarec.embedding import EmbeddingBagCollection, TableConfig
+from tetrarec.models import (
+    DLRM,
+    DCNInteraction,
+    DLRMConfig,
+    DotInteraction,
+    InteractionImpl,
+    LowRankCrossNet,
+    ModelArch,
+    build_model,
+    dot_interaction_reference,
+)
+from tetrarec.sparse import SparseFeatures
+
+B, F, D = 16, 3, 8
+
+
+def _tables(num_features: int = F, dim: int = D, rows: int = 50) -> list[TableConfig]:
+    return [TableConfig(name=f"t{i}", num_embeddings=rows, dim=dim) for i in range(num_features)]
+
+
+def _features(gen: torch.Generator, num_features: int = F, rows: int = 50) -> SparseFeatures:
+    lengths = torch.randint(0, 4, (num_features * B,), generator=gen)
+    values = torch.randint(0, rows, (int(lengths.sum()),), generator=gen)
+    keys = tuple(f"t{i}" for i in range(num_features))
+    return SparseFeatures.from_lengths(keys, values, lengths)
+
+
+def _config(arch: str = "dlrm", **kw: object) -> DLRMConfig:
+    base: dict[str, object] = {
+        "num_dense": 5,
+        "bottom_mlp": (16, D),
+        "top_mlp": (16, 1),
+        "arch": arch,
+        "dcn_layers": 2,
+        "dcn_low_rank": 4,
+        "seed": 3,
+    }
+    base.update(kw)
+    return DLRMConfig(**base)  # type: ignore[arg-type]
+
+
+def _model(arch: str, **kw: object) -> DLRM:
+    return build_model(_config(arch, **kw), EmbeddingBagCollection(_tables(), seed=0))
+
+
+@pytest.mark.parametrize("arch", ["dlrm", "dcn"])
+def test_models_output_shapes(arch: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    model = _model(arch)
+    logits = model(torch.randn(B, 5, generator=gen), _features(gen))
+    assert logits.shape == (B,)
+    assert logits.dtype == torch.float32
+    expected_inter = D + F * (F + 1) // 2 if arch == "dlrm" else (F + 1) * D
+    assert model.inter_arch.out_features == expected_inter
+    assert model.over_arch.layers[0].in_features == expected_inter
+
+
+def test_models_interaction_layout_is_lower_triangle_row_major() -> None:
+    # x = e0 = e1 = ... chosen so each dot product is identifiable: rows are one-hot.
+    x = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    e = torch.tensor([[2.0, 0.0, 0.0, 0.0, 0.0, 3.0, 0.0, 0.0, 5.0, 0.0, 0.0, 0.0]])
+    out = dot_interaction_reference(x, e)
+    # pairs (e0,x), (e1,x), (e1,e0), (e2,x), (e2,e0), (e2,e1)
+    assert out[0, 4:].tolist() == [2.0, 0.0, 0.0, 5.0, 10.0, 0.0]
+    assert out[0, :4].tolist() == x[0].tolist()
+
+
+@pytest.mark.parametrize(("batch", "features", "dim"), [(16, 3, 8), (7, 26, 16), (1, 1, 4)])
+def test_models_fast_interaction_matches_reference(batch: int, features: int, dim: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, dim, generator=gen, dtype=torch.float64)
+    e = torch.randn(batch, features * dim, generator=gen, dtype=torch.float64)
+    grad = torch.randn(batch, dim + features * (features + 1) // 2, generator=gen).double()
+    outs, grads = [], []
+    for impl in InteractionImpl:
+        xi, ei = x.clone().requires_grad_(), e.clone().requires_grad_()
+        inter = DotInteraction(num_features=features, dim=dim, impl=impl)
+        # float64 in, FP32 compute: compare in FP32 tolerance.
+        out = inter(xi, ei)
+        out.backward(grad.float())
+        outs.append(out.detach())
+        grads.append((xi.grad, ei.grad))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-5)
+
+
+def test_models_fast_interaction_gradcheck() -> None:
+    from tetrarec.models.interaction import _DotInteraction
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    e = torch.randn(3, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    inter = DotInteraction(num_features=2, dim=4)
+    pairs, gather = inter.flat_pairs, inter.sym_gather
+    assert torch.autograd.gradcheck(lambda a, b: _DotInteraction.apply(a, b, pairs, gather), (x, e))
+
+
+def test_models_cross_layer_matches_formula() -> None:
+    gen = torch.Generator().manual_seed(4)
+    net = LowRankCrossNet(6, num_layers=2, low_rank=3, generator=gen)
+    with torch.no_grad():
+        for b in net.biases:
+            b.normal_(generator=gen)  # non-zero so the bias term is checked
+    x0 = torch.randn(5, 6, generator=gen)
+    x = x0
+    for v, w, b in zip(net.v_kernels, net.w_kernels, net.biases):
+        x = x0 * (x @ v.T @ w.T + b) + x  # x_{l+1} = x0 * (W (V x_l) + b) + x_l
+    torch.testing.assert_close(net(x0), x)
+
+
+def test_models_dcn_interaction_crosses_concatenated_input() -> None:
+    gen = torch.Generator().manual_seed(5)
+    inter = DCNInteraction(num_features=2, dim=3, num_layers=1, low_rank=2, generator=gen)
+    x, e = torch.randn(4, 3, generator=gen), torch.randn(4, 6, generator=gen)
+    torch.testing.assert_close(inter(x, e), inter.crossnet(torch.cat((x, e), dim=1)))
+
+
+@pytest.mark.parametrize("arch", ["dlrm", "dcn"])
+def test_models_init_is_deterministic_by_seed(arch: str) -> None:
+    a, b = _model(arch, seed=7), _model(arch, seed=7)
+    torch.manual_seed(123)  # the global RNG must not matter
+    c = _model(arch, seed=8)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], rtol=0, atol=0)
+    dense_keys = [k for k in sa if not k.startswith("embeddings.")]
+    assert any(not torch.equal(sa[k], sc[k]) for k in dense_keys)
+
+
+@pytest.mark.parametrize("arch", ["dlrm", "dcn"])
+def test_models_bf16_dense_path_is_close_to_fp32(arch: str) -> None:
+    gen = torch.Generator().manual_seed(6)
+    dense, sparse = torch.randn(B, 5, generator=gen), _features(gen)
+    fp32 = _model(arch)
+    bf16 = _model(arch, dense_precision="bf16")
+    bf16.load_state_dict(fp32.state_dict())
+    out32, out16 = fp32(dense, sparse), bf16(dense, sparse)
+    assert out16.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in bf16.parameters())
+    torch.testing.assert_close(out16, out32, rtol=0.05, atol=0.05)
+    # The logit layer runs in FP32: logits are not rounded to BF16's 8 significant bits.
+    assert not torch.equal(out16, out16.bfloat16().float())
+    out16.sum().backward()
+    w = bf16.over_arch.layers[0].weight
+    assert w.grad is not None
+    assert w.grad.dtype == torch.float32
+    assert torch.isfinite(w.grad).all()
+
+
+def test_models_embedding_dim_mismatch_raises() -> None:
+    ebc = EmbeddingBagCollection(_tables(dim=4), seed=0)
+    with pytest.raises(ValueError, match="bottom MLP's output 8"):
+        DLRM(_config("dlrm"), ebc)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"top_mlp": (8, 2)}, "end in 1"),
+        ({"bottom_mlp": ()}, "positive layer sizes"),
+        ({"dense_precision": "int8"}, "not supported"),
+        ({"arch": "wide"}, "unknown model arch"),
+    ],
+)
+def test_models_config_rejects_bad_values(kw: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _config(**kw)
+
+
+def test_models_dcn_v2_config_has_mlperf_sizes() -> None:
+    cfg = DLRMConfig.dcn_v2()
+    assert cfg.arch is ModelArch.DCN
+    assert (cfg.dcn_layers, cfg.dcn_low_rank) == (3, 512)
+    assert cfg.top_mlp == (1024, 1024, 512, 256, 1)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    # These tensors are tiny; on a busy 2-core machine every 2-thread parallel region
+    # (embedding_bag, sparse add) can wait a scheduler slice, turning 0.1 s into seconds.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")  # torch.optim.Adagrad, sparse grads
+@pytest.mark.parametrize("arch", ["dlrm", "dcn"])
+@pytest.mark.usefixtures("one_thread")
+def test_models_train_loss_goes_down(arch: str) -> None:
+    # A learnable problem: the label is whether feature t0's id is below 25 or the
+    # first dense value is positive.
+    gen = torch.Generator().manual_seed(9)
+    model = _model(arch)
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    batches = []
+    for _ in range(3):
+        dense = torch.randn(B, 5, generator=gen)
+        ids = torch.randint(0, 50, (F * B,), generator=gen)
+        sparse = SparseFeatures.from_lengths(
+            tuple(f"t{i}" for i in range(F)), ids, torch.ones(F * B, dtype=torch.int64)
+        )
+        labels = ((ids[:B] < 25) | (dense[:, 0] > 0)).float()
+        batches.append((dense, sparse, labels))
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+
+    def epoch_loss() -> float:
+        with torch.no_grad():
+            return sum(float(loss_fn(model(d, s), y)) for d, s, y in batches) / len(batches)
+
+    before = epoch_loss()
+    for _ in range(6):
+        for d, s, y in batches:
+            opt.zero_grad()
+            loss_fn(model(d, s), y).backward()
+            opt.step()
+    after = epoch_loss()
+    assert after < 0.7 * before, (before, after)

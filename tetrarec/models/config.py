@@ -1,0 +1,147 @@
+"""``DLRMConfig``: the shape of a DLRM or DLRM-DCNv2 model's dense part.
+
+The embedding tables are not part of this config: their shapes live in their
+``TableConfig``s, and the model reads ``feature_names``/``feature_dims`` from the
+embedding module it is given (one source of truth per concept).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from tetrarec.types import Precision
+
+__all__ = ["DLRMConfig", "InteractionImpl", "ModelArch"]
+
+# Dense precisions the model knows how to run (FP32 master weights throughout).
+_DENSE_PRECISIONS = (Precision.FP32, Precision.BF16)
+
+
+class ModelArch(enum.Enum):
+    """Which interaction sits between the bottom and the top MLP."""
+
+    DLRM = "dlrm"  # pairwise dot products (DLRM paper)
+    DCN = "dcn"  # low-rank DCNv2 cross layers (MLPerf DLRM-DCNv2)
+
+    @classmethod
+    def parse(cls, value: str | ModelArch) -> ModelArch:
+        """Return the arch named by ``value`` (case-insensitive).
+
+        Raises:
+            ValueError: if ``value`` names no arch; the message lists the valid ones.
+        """
+        if isinstance(value, ModelArch):
+            return value
+        try:
+            return cls(value.lower())
+        except ValueError:
+            valid = ", ".join(a.value for a in cls)
+            raise ValueError(f"unknown model arch {value!r}; valid: {valid}") from None
+
+
+class InteractionImpl(enum.Enum):
+    """Which implementation of the dot interaction runs.
+
+    Both give the same outputs and gradients (tested); ``REFERENCE`` is the readable
+    formulation, ``FAST`` saves a concatenation, a gather backward and one of the two
+    backward batched products.
+    """
+
+    REFERENCE = "reference"
+    FAST = "fast"
+
+    @classmethod
+    def parse(cls, value: str | InteractionImpl) -> InteractionImpl:
+        """Return the implementation named by ``value`` (case-insensitive).
+
+        Raises:
+            ValueError: if ``value`` names none; the message lists the valid ones.
+        """
+        if isinstance(value, InteractionImpl):
+            return value
+        try:
+            return cls(value.lower())
+        except ValueError:
+            valid = ", ".join(i.value for i in cls)
+            raise ValueError(f"unknown interaction impl {value!r}; valid: {valid}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DLRMConfig:
+    """The dense architecture of a DLRM.
+
+    Defaults are the Criteo-Kaggle DLRM (13 dense features, bottom MLP 512-256-64,
+    dot interaction, top MLP 512-256-1). ``DLRMConfig.dcn_v2()`` gives MLPerf's
+    DLRM-DCNv2 sizes.
+
+    Args:
+        num_dense: dense input features per sample.
+        bottom_mlp: bottom MLP layer sizes; the last must equal the embedding dim.
+        top_mlp: top MLP layer sizes; the last must be 1 (one logit per sample).
+        arch: the interaction (``"dlrm"`` dot or ``"dcn"`` cross layers).
+        interaction_impl: dot-interaction implementation (ignored by DCN).
+        dcn_layers: number of low-rank cross layers (DCN only).
+        dcn_low_rank: rank of each cross layer's ``W V`` factorization (DCN only).
+        dense_precision: compute precision of the dense path: ``fp32`` or ``bf16``
+            (autocast; weights and optimizer state stay FP32).
+        seed: seed of the dense layers' initialization; ``None`` uses the global RNG.
+
+    Raises:
+        ValueError: on empty or non-positive layer sizes, a top MLP not ending in 1,
+            a bad DCN setting or an unsupported dense precision.
+    """
+
+    num_dense: int = 13
+    bottom_mlp: tuple[int, ...] = (512, 256, 64)
+    top_mlp: tuple[int, ...] = (512, 256, 1)
+    arch: ModelArch = ModelArch.DLRM
+    interaction_impl: InteractionImpl = InteractionImpl.FAST
+    dcn_layers: int = 3
+    dcn_low_rank: int = 512
+    dense_precision: Precision = Precision.FP32
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bottom_mlp", tuple(self.bottom_mlp))
+        object.__setattr__(self, "top_mlp", tuple(self.top_mlp))
+        object.__setattr__(self, "arch", ModelArch.parse(self.arch))
+        object.__setattr__(self, "interaction_impl", InteractionImpl.parse(self.interaction_impl))
+        object.__setattr__(self, "dense_precision", Precision.parse(self.dense_precision))
+        if self.num_dense <= 0:
+            raise ValueError(f"num_dense must be positive, got {self.num_dense}")
+        for name, sizes in (("bottom_mlp", self.bottom_mlp), ("top_mlp", self.top_mlp)):
+            if not sizes or any(s <= 0 for s in sizes):
+                raise ValueError(f"{name} needs positive layer sizes, got {sizes}")
+        if self.top_mlp[-1] != 1:
+            raise ValueError(f"top_mlp must end in 1 (one logit), got {self.top_mlp}")
+        if self.dcn_layers < 0 or self.dcn_low_rank <= 0:
+            raise ValueError(
+                f"dcn_layers must be >= 0 and dcn_low_rank > 0, "
+                f"got {self.dcn_layers} and {self.dcn_low_rank}"
+            )
+        if self.dense_precision not in _DENSE_PRECISIONS:
+            valid = ", ".join(p.value for p in _DENSE_PRECISIONS)
+            raise ValueError(
+                f"dense_precision {self.dense_precision.value!r} is not supported; valid: {valid}"
+            )
+
+    @property
+    def embedding_dim(self) -> int:
+        """The embedding dim the bottom MLP's output must match."""
+        return self.bottom_mlp[-1]
+
+    @classmethod
+    def dcn_v2(cls, **overrides: object) -> DLRMConfig:
+        """MLPerf DLRM-DCNv2 sizes: bottom 512-256-128, 3 cross layers of rank 512,
+        top 1024-1024-512-256-1 (embedding dim 128). ``overrides`` replace fields.
+        """
+        fields: dict[str, object] = {
+            "bottom_mlp": (512, 256, 128),
+            "top_mlp": (1024, 1024, 512, 256, 1),
+            "arch": ModelArch.DCN,
+            "dcn_layers": 3,
+            "dcn_low_rank": 512,
+        }
+        fields.update(overrides)
+        return cls(**fields)  # type: ignore[arg-type]  # fields are checked in __post_init__

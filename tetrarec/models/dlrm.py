@@ -1,0 +1,207 @@
+"""DLRM and DLRM-DCNv2: bottom MLP, embeddings, interaction, top MLP -> one logit.
+
+::
+
+    dense (B, 13)                          sparse: SparseFeatures (F features)
+         |                                           |
+         v                                           v
+    DenseArch: bottom MLP, ReLU            embeddings module (given, never built here:
+    13 -> 512 -> 256 -> D                  reference EmbeddingBagCollection, fused
+         |  x (B, D)                       kernels, or a sharded collection)
+         |                                           |  e (B, F*D), FP32
+         +-------------------+-----------------------+
+                             v
+            InteractionArch (by ModelArch):
+              DLRM: [x | tril(C C^T)], C = [x, e_0..e_{F-1}]   -> (B, D + F(F+1)/2)
+              DCN:  low-rank cross layers over [x | e]         -> (B, (F+1)*D)
+                             |
+                             v
+            OverArch: top MLP, ReLU between layers, last layer -> 1
+                             |
+                             v
+                      logits (B,)   (no sigmoid: train with BCE-with-logits)
+
+The model is parallelism-free: it only calls ``embeddings(sparse)`` and reads the
+module's ``feature_names`` and ``feature_dims``. With ``dense_precision=bf16`` the
+bottom MLP, the DCN products and the top MLP run under ``torch.autocast`` in BF16 while
+the weights (and so the optimizer state) stay FP32; embeddings, the dot interaction and
+the logit layer (the top MLP's last, -> 1) stay FP32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from tetrarec.models.config import DLRMConfig, ModelArch
+from tetrarec.models.dcn import DCNInteraction
+from tetrarec.models.interaction import DotInteraction
+from tetrarec.models.mlp import MLP, generator_for
+from tetrarec.sparse import PooledEmbeddings, SparseFeatures
+from tetrarec.types import Precision
+
+__all__ = ["DLRM", "INTERACTIONS", "EmbeddingModule", "build_model"]
+
+logger = logging.getLogger(__name__)
+
+
+class EmbeddingModule(Protocol):
+    """What a model needs of its embedding module (reference, fused or sharded)."""
+
+    feature_names: tuple[str, ...]
+    feature_dims: tuple[int, ...]
+    fused_optimizer: bool
+
+    def __call__(self, features: SparseFeatures) -> PooledEmbeddings: ...
+
+
+InteractionBuilder = Callable[[DLRMConfig, int, int, torch.Generator | None], nn.Module]
+
+
+def _build_dot(
+    config: DLRMConfig, num_features: int, dim: int, _gen: torch.Generator | None
+) -> nn.Module:
+    return DotInteraction(num_features=num_features, dim=dim, impl=config.interaction_impl)
+
+
+def _build_dcn(
+    config: DLRMConfig, num_features: int, dim: int, gen: torch.Generator | None
+) -> nn.Module:
+    return DCNInteraction(
+        num_features=num_features,
+        dim=dim,
+        num_layers=config.dcn_layers,
+        low_rank=config.dcn_low_rank,
+        generator=gen,
+    )
+
+
+# Adding an interaction means writing its module and one line here. Each module maps
+# (B, D), (B, F*D) -> (B, out_features).
+INTERACTIONS: dict[ModelArch, InteractionBuilder] = {
+    ModelArch.DLRM: _build_dot,
+    ModelArch.DCN: _build_dcn,
+}
+
+
+class DLRM(nn.Module):
+    """A DLRM (dot interaction) or DLRM-DCNv2 (cross layers) around an embedding module.
+
+    Args:
+        config: the dense architecture (see ``DLRMConfig``).
+        embeddings: the embedding module; every feature's dim must equal
+            ``config.bottom_mlp[-1]``. It is registered as ``self.embeddings``.
+
+    Raises:
+        ValueError: if the embedding dims differ from each other or from the bottom
+            MLP's output.
+
+    Example:
+        >>> from tetrarec.embedding import EmbeddingBagCollection, TableConfig
+        >>> ebc = EmbeddingBagCollection([TableConfig(name="t", num_embeddings=10, dim=4)])
+        >>> model = DLRM(DLRMConfig(num_dense=3, bottom_mlp=(8, 4), top_mlp=(8, 1)), ebc)
+        >>> sf = SparseFeatures.from_lists({"t": [[1, 2], [3]]})
+        >>> model(torch.zeros(2, 3), sf).shape
+        torch.Size([2])
+    """
+
+    def __init__(self, config: DLRMConfig, embeddings: nn.Module) -> None:
+        super().__init__()
+        dims = tuple(embeddings.feature_dims)
+        names = tuple(embeddings.feature_names)
+        if not dims or len(set(dims)) != 1 or dims[0] != config.embedding_dim:
+            raise ValueError(
+                f"every embedding dim must equal the bottom MLP's output "
+                f"{config.embedding_dim}; got dims {dict(zip(names, dims))}"
+            )
+        if config.dense_precision is Precision.BF16 and not _cpu_has_native_bf16():
+            logger.warning(
+                "dense_precision=bf16 on a CPU without native BF16 matmuls (no AVX-512 BF16 "
+                "or AMX): the dense path will run several times slower than FP32 here "
+                "(it measured ~8x slower per matmul on an AVX2-only CPU)"
+            )
+        self.config = config
+        self.num_features = len(names)
+        gen = generator_for(config.seed)
+        self.dense_arch = MLP(
+            config.num_dense, config.bottom_mlp, final_activation=True, generator=gen
+        )
+        self.embeddings = embeddings
+        self.inter_arch = INTERACTIONS[config.arch](
+            config, self.num_features, config.embedding_dim, gen
+        )
+        self.over_arch = MLP(
+            self.inter_arch.out_features,
+            config.top_mlp,
+            final_activation=False,
+            fp32_last_layer=True,
+            generator=gen,
+        )
+
+    def forward(self, dense: torch.Tensor, sparse: SparseFeatures) -> torch.Tensor:
+        """Logits for a batch.
+
+        Args:
+            dense: ``(B, num_dense)`` float dense features.
+            sparse: the categorical features, ``B`` samples, keys as the embeddings'.
+
+        Returns:
+            ``(B,)`` FP32 logits.
+        """
+        with record_function("tetrarec/dense_arch"), self._autocast(dense):
+            x = self.dense_arch(dense)  # (B, D)
+        with record_function("tetrarec/embeddings"):
+            pooled = self.embeddings(sparse)  # values (B, F*D), FP32
+        with record_function("tetrarec/interaction"), self._autocast(dense):
+            z = self.inter_arch(x, pooled.values)  # (B, out_features)
+        with record_function("tetrarec/over_arch"), self._autocast(dense):
+            logits = self.over_arch(z)  # (B, 1)
+        return logits.squeeze(1).float()  # (B,)
+
+    def dense_parameters(self) -> Iterator[nn.Parameter]:
+        """Every parameter outside the embedding module (what a dense optimizer updates)."""
+        for name, p in self.named_parameters():
+            if not name.startswith("embeddings."):
+                yield p
+
+    def _autocast(self, like: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+        if self.config.dense_precision is Precision.FP32:
+            return contextlib.nullcontext()
+        return torch.autocast(like.device.type, dtype=self.config.dense_precision.torch_dtype)
+
+
+def _cpu_has_native_bf16() -> bool:
+    """Whether oneDNN reports native BF16 support on this CPU (True when unknown)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True
+
+
+def build_model(config: DLRMConfig, embeddings: nn.Module) -> DLRM:
+    """Build the model ``config`` describes around ``embeddings``.
+
+    Args:
+        config: the dense architecture.
+        embeddings: any module following the embedding protocol (reference, fused,
+            sharded).
+
+    Returns:
+        The ``DLRM``.
+    """
+    model = DLRM(config, embeddings)
+    n_dense = sum(p.numel() for p in model.dense_parameters())
+    logger.info(
+        "built %s model: %d features, %d dense parameters, dense precision %s",
+        config.arch.value,
+        model.num_features,
+        n_dense,
+        config.dense_precision.value,
+    )
+    return model

@@ -1,0 +1,79 @@
+"""``MLP``: a stack of ``Linear`` layers with ReLU between them, deterministic init."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F  # the usual torch alias
+from torch import nn
+
+__all__ = ["MLP", "generator_for"]
+
+
+def generator_for(seed: int | None) -> torch.Generator | None:
+    """A CPU generator seeded with ``seed``, or ``None`` to use the global RNG."""
+    return torch.Generator().manual_seed(seed) if seed is not None else None
+
+
+class MLP(nn.Module):
+    """``in -> sizes[0] -> ... -> sizes[-1]`` with ReLU after every layer but maybe the last.
+
+    Weights start as in the DLRM reference implementation: ``W ~ N(0, 2/(in+out))``,
+    ``b ~ N(0, 1/out)``, drawn from ``generator`` in layer order so that a seed fixes
+    them whatever else uses the global RNG.
+
+    Args:
+        in_features: input width.
+        sizes: output width of each layer.
+        final_activation: apply ReLU after the last layer too (bottom MLP: yes,
+            top MLP: no, it returns logits).
+        fp32_last_layer: run the last layer in FP32 even under a BF16/FP16 autocast.
+            The top MLP sets it: a BF16 logit keeps 8 significant bits, which ties the
+            ranking of close scores and moves AUC; the last layer (-> 1) costs nothing.
+        generator: RNG for the initialization; ``None`` uses the global RNG.
+
+    Raises:
+        ValueError: on an empty ``sizes`` or a non-positive width.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        sizes: Sequence[int],
+        *,
+        final_activation: bool,
+        fp32_last_layer: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        if not sizes or in_features <= 0 or any(s <= 0 for s in sizes):
+            raise ValueError(f"bad MLP widths: in_features={in_features}, sizes={tuple(sizes)}")
+        self.in_features = in_features
+        self.out_features = sizes[-1]
+        self.final_activation = final_activation
+        self.fp32_last_layer = fp32_last_layer
+        widths = (in_features, *sizes)
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(widths))
+        with torch.no_grad():
+            for layer in self.layers:
+                fan_out, fan_in = layer.weight.shape
+                layer.weight.normal_(0.0, math.sqrt(2.0 / (fan_in + fan_out)), generator=generator)
+                layer.bias.normal_(0.0, math.sqrt(1.0 / fan_out), generator=generator)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, in_features) -> (B, out_features)``."""
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            if i == last and self.fp32_last_layer:
+                with torch.autocast(x.device.type, enabled=False):
+                    x = F.linear(x.float(), layer.weight, layer.bias)
+            else:
+                x = F.linear(x, layer.weight, layer.bias)
+            if i < last or self.final_activation:
+                # In place: the linear's backward never reads its output, ReLU's reads
+                # only its own output, so no extra (B, out) buffer is needed.
+                x = torch.relu_(x)
+        return x
