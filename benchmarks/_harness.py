@@ -35,7 +35,7 @@ class Timing:
     @property
     def p90(self) -> float:
         s = sorted(self.seconds)
-        return s[min(len(s) - 1, int(round(0.9 * (len(s) - 1))))]
+        return s[min(len(s) - 1, round(0.9 * (len(s) - 1)))]
 
 
 def sync() -> None:
@@ -106,6 +106,7 @@ def write_json(path: str | None, config: dict[str, Any], results: list[dict[str,
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
     """Print ``rows`` as an aligned text table."""
+
     def fmt(v: Any) -> str:
         if isinstance(v, float):
             return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.0f}"

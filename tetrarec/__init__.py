@@ -14,11 +14,11 @@ __all__ = [
     "EmbeddingBagCollection",
     "OptimizerKind",
     "Placement",
+    "PooledEmbeddings",
     "PoolingMode",
     "Precision",
     "ShardingType",
     "SparseFeatures",
     "TableConfig",
-    "PooledEmbeddings",
     "__version__",
 ]

@@ -34,4 +34,5 @@ def test_optimizer_state_layout() -> None:
     assert OptimizerKind.ROWWISE_ADAGRAD.state_layout(8) == {"sum": 1}
     assert OptimizerKind.ADAM.state_layout(8) == {"exp_avg": 8, "exp_avg_sq": 8}
     assert OptimizerKind.ROWWISE_ADAM.state_layout(8) == {"exp_avg": 8, "exp_avg_sq": 1}
-    assert OptimizerKind.ADAM.counts_steps and not OptimizerKind.ADAGRAD.counts_steps
+    assert OptimizerKind.ADAM.counts_steps
+    assert not OptimizerKind.ADAGRAD.counts_steps

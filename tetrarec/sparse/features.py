@@ -146,7 +146,9 @@ class SparseFeatures:
         lens = [len(bag) for k in keys for bag in bags[k]]
         w = None
         if weights is not None:
-            w = torch.tensor([x for k in keys for bag in weights[k] for x in bag], dtype=torch.float32)
+            w = torch.tensor(
+                [x for k in keys for bag in weights[k] for x in bag], dtype=torch.float32
+            )
         counts = tuple(sum(len(bag) for bag in bags[k]) for k in keys)
         return cls(
             keys,
@@ -183,7 +185,12 @@ class SparseFeatures:
         if self.value_counts is not None:
             return self
         return SparseFeatures(
-            self.keys, self.values, self.lengths, self.batch_size, self.weights, self.value_counts_host()
+            self.keys,
+            self.values,
+            self.lengths,
+            self.batch_size,
+            self.weights,
+            self.value_counts_host(),
         )
 
     def to_dict(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -234,7 +241,8 @@ def _flatten(sf: SparseFeatures) -> tuple[list[torch.Tensor | None], tuple[objec
 def _unflatten(children: list[torch.Tensor | None], ctx: tuple[object, ...]) -> SparseFeatures:
     keys, batch_size, counts = ctx
     values, lengths, weights = children
-    assert values is not None and lengths is not None
+    assert values is not None
+    assert lengths is not None
     return SparseFeatures(keys, values, lengths, batch_size, weights, counts)  # type: ignore[arg-type]
 
 

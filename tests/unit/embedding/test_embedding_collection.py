@@ -50,9 +50,12 @@ def test_weighted_forward_and_sparse_grad() -> None:
     sf = SparseFeatures.from_lists({"t": [[1, 1], [4]]}, weights={"t": [[0.5, 2.0], [3.0]]})
     out = ebc(sf).values
     w = ebc.table_weights()["t"]
-    torch.testing.assert_close(out, _naive_pool(w.detach(), [[1, 1], [4]], False, [[0.5, 2.0], [3.0]]))
+    torch.testing.assert_close(
+        out, _naive_pool(w.detach(), [[1, 1], [4]], False, [[0.5, 2.0], [3.0]])
+    )
     out.sum().backward()
-    assert w.grad is not None and w.grad.is_sparse
+    assert w.grad is not None
+    assert w.grad.is_sparse
     dense = w.grad.to_dense()
     torch.testing.assert_close(dense[1], torch.full((2,), 2.5))
     torch.testing.assert_close(dense[4], torch.full((2,), 3.0))
@@ -80,13 +83,16 @@ def test_seeded_init_is_deterministic_and_bounded() -> None:
 
 def test_table_config_validation() -> None:
     t = TableConfig(name="x", num_embeddings=4, dim=2, pooling="mean")
-    assert t.feature_names == ("x",) and t.pooling is PoolingMode.MEAN
+    assert t.feature_names == ("x",)
+    assert t.pooling is PoolingMode.MEAN
     with pytest.raises(ValueError, match="must be positive"):
         TableConfig(name="x", num_embeddings=0, dim=2)
     with pytest.raises(ValueError, match="more than one table"):
         EmbeddingBagCollection(
-            [TableConfig(name="a", num_embeddings=2, dim=2, feature_names=("f",)),
-             TableConfig(name="b", num_embeddings=2, dim=2, feature_names=("f",))]
+            [
+                TableConfig(name="a", num_embeddings=2, dim=2, feature_names=("f",)),
+                TableConfig(name="b", num_embeddings=2, dim=2, feature_names=("f",)),
+            ]
         )
     assert SparseOptimizerSpec(kind="adam").kind is OptimizerKind.ADAM
     with pytest.raises(ValueError, match="bad sparse optimizer"):

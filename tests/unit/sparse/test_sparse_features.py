@@ -34,11 +34,15 @@ def test_layout_matches_docstring() -> None:
 
 def test_constructor_rejects_bad_shapes() -> None:
     with pytest.raises(ValueError, match="lengths has 3 entries"):
-        SparseFeatures(("a", "b"), torch.zeros(3, dtype=torch.int64), torch.ones(3, dtype=torch.int64), 2)
+        SparseFeatures(
+            ("a", "b"), torch.zeros(3, dtype=torch.int64), torch.ones(3, dtype=torch.int64), 2
+        )
     with pytest.raises(ValueError, match="int32/int64"):
         SparseFeatures(("a",), torch.zeros(3), torch.ones(1, dtype=torch.int64), 1)
     with pytest.raises(ValueError, match="duplicate"):
-        SparseFeatures(("a", "a"), torch.zeros(0, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), 1)
+        SparseFeatures(
+            ("a", "a"), torch.zeros(0, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), 1
+        )
     with pytest.raises(ValueError, match="weights"):
         SparseFeatures(
             ("a",), torch.zeros(2, dtype=torch.int64), torch.tensor([2]), 1, torch.zeros(3)
@@ -68,9 +72,7 @@ def test_permute_keys_moves_values_and_weights() -> None:
 
 
 def test_split_batch_concatenates_back_to_global() -> None:
-    sf = SparseFeatures.from_lists(
-        {"a": [[1], [2, 3], [], [4]], "b": [[5, 6], [7], [8], []]}
-    )
+    sf = SparseFeatures.from_lists({"a": [[1], [2, 3], [], [4]], "b": [[5, 6], [7], [8], []]})
     batch = Batch(torch.arange(8.0).view(4, 2), sf, torch.tensor([0.0, 1.0, 1.0, 0.0]))
     parts = split_batch(batch, 2)
     assert [p.batch_size for p in parts] == [2, 2]

@@ -165,5 +165,5 @@ def test_resume_with_another_model_shape_is_a_clear_error(tmp_path) -> None:
     train(tiny(tmp_path, "train.steps=1"))
     with pytest.raises(ValueError, match="checkpoint does not fit the model"):
         train(tiny(tmp_path, "train.steps=2", "model.num_embeddings=[50, 20, 7, 101]"), resume=True)
-    with pytest.raises(ValueError, match="past train.steps=0"):
+    with pytest.raises(ValueError, match=r"past train\.steps=0"):
         train(tiny(tmp_path, "train.steps=0"), resume=True)
