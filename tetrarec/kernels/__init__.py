@@ -1,0 +1,30 @@
+"""Table-batched embedding kernels: pooled lookup and fused backward + sparse optimizer.
+
+Rows are stored in FP32, FP16, BF16, INT8 or INT4 and computed in FP32. The portable
+PyTorch path (``reference.py``) runs on any device; a compiled CPU kernel (``csrc/``,
+built on first use) sits behind the same ``tetrarec::`` ops (``ops.py``).
+``TETRAREC_KERNELS=reference`` forces the portable path.
+"""
+
+from tetrarec.kernels.optim_rules import OPTIM_RULES, state_layout
+from tetrarec.kernels.quant import (
+    decode_rows,
+    dequantize_rows,
+    encode_rows,
+    quantize_rows,
+    row_width,
+    stochastic_round,
+)
+from tetrarec.kernels.tbe import FusedEmbeddingBagCollection
+
+__all__ = [
+    "OPTIM_RULES",
+    "FusedEmbeddingBagCollection",
+    "decode_rows",
+    "dequantize_rows",
+    "encode_rows",
+    "quantize_rows",
+    "row_width",
+    "state_layout",
+    "stochastic_round",
+]

@@ -1,0 +1,24 @@
+"""Fixtures shared by the kernel tests: which implementation path runs."""
+
+import pytest
+
+from tetrarec.kernels._build import compiled_cpu_kernels
+
+
+@pytest.fixture(params=["compiled", "reference"])
+def kernel_path(request, monkeypatch):
+    """Run the test once on the compiled CPU kernel and once on the portable path."""
+    if request.param == "compiled":
+        monkeypatch.setenv("TETRAREC_KERNELS", "auto")
+        if compiled_cpu_kernels() is None:
+            pytest.skip("the compiled CPU kernel did not build on this machine")
+    else:
+        monkeypatch.setenv("TETRAREC_KERNELS", "reference")
+    return request.param
+
+
+def pytest_collection_modifyitems(items):
+    """The first compiled-path test may build the extension (about a minute, once)."""
+    for item in items:
+        if "compiled" in item.name or "compiled" in item.nodeid:
+            item.add_marker(pytest.mark.timeout(600))

@@ -1,0 +1,442 @@
+// Fused table-batched embedding kernels for CPU (ATen + OpenMP via at::parallel_for).
+//
+// Same arguments and results as tetrarec/kernels/reference.py (the oracle):
+//   meta = [w_offsets, dims, num_rows, row_offsets, feat_table, feat_cols, feat_mean]
+//   weights: flat row storage; table t, row r starts at element w_offsets[t] + r * width(t)
+//   values (N,), offsets (F*B+1,) key-major bags; out / grad_out (B, sum of dims).
+//
+// Forward: one task per (feature, sample) bag, rows decoded to FP32 and summed in order.
+// Backward: (row key, position) pairs are radix-sorted (stable, so duplicates of a row
+// are summed in position order whatever the thread count: bitwise deterministic), then
+// each unique row is decoded, updated by the optimizer rule and encoded in place.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// ---- stochastic rounding randomness: counter-based, so thread count never matters ----
+inline uint64_t mix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+inline float uniform01(uint64_t key, int64_t d) {
+  return (mix64(key ^ (static_cast<uint64_t>(d) * 0xD1B54A32D192ED03ULL)) >> 40) * (1.0f / 16777216.0f);
+}
+
+// 16 random bits per element of a row: a 32-bit counter-based hash of (row key, element),
+// written so that the compiler vectorizes it (8 lanes with AVX2).
+inline const uint16_t* random16(uint64_t key, int64_t D) {
+  thread_local std::vector<uint16_t> r;
+  if (static_cast<int64_t>(r.size()) < D) r.resize(D);
+  const uint32_t lo = static_cast<uint32_t>(key), hi = static_cast<uint32_t>(key >> 32);
+  uint16_t* out = r.data();
+  for (int64_t d = 0; d < D; ++d) {
+    uint32_t z = lo + static_cast<uint32_t>(d) * 0x9E3779B9u;
+    z ^= z >> 16;
+    z *= 0x85EBCA6Bu;
+    z ^= z >> 13;
+    z *= 0xC2B2AE35u;
+    z ^= z >> 16;
+    out[d] = static_cast<uint16_t>((z ^ hi) >> 8);
+  }
+  return out;
+}
+inline uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+inline float float_of(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// ---- half helpers ----
+inline void half_to_float(const uint16_t* src, float* dst, int64_t n) {
+  int64_t d = 0;
+#if defined(__F16C__)
+  for (; d + 8 <= n; d += 8) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
+    _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(h));
+  }
+#endif
+  for (; d < n; ++d) dst[d] = static_cast<float>(c10::Half(src[d], c10::Half::from_bits()));
+}
+inline uint16_t half_bits(float x) { return c10::Half(x).x; }
+inline float half_value(uint16_t b) { return static_cast<float>(c10::Half(b, c10::Half::from_bits())); }
+inline uint16_t bf16_bits(float x) { return c10::BFloat16(x).x; }
+inline float bf16_value(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round x to a 16-bit float format: nearest, or one of the two neighbours with
+// probability proportional to closeness (unbiased). `to_bits`/`value` define the format.
+template <uint16_t (*ToBits)(float), float (*Value)(uint16_t)>
+inline uint16_t round16(float x, bool stochastic, float u) {
+  uint16_t near = ToBits(x);
+  if (!stochastic) return near;
+  float nv = Value(near);
+  float diff = x - nv;
+  if (diff == 0.0f || !std::isfinite(nv)) return near;
+  uint16_t other;
+  if (nv == 0.0f) {
+    other = diff > 0 ? 0x0001 : 0x8001;
+  } else {
+    bool away = (diff > 0) == (nv > 0);  // neighbour of larger magnitude
+    other = away ? near + 1 : near - 1;
+  }
+  float gap = std::fabs(Value(other) - nv);
+  return (gap > 0 && u * gap < std::fabs(diff)) ? other : near;
+}
+
+// ---- row codecs: decode a row to FP32 (or accumulate it) and encode it back ----
+struct F32 {
+  static constexpr int64_t kElem = 4;
+  static int64_t width(int64_t D) { return D; }
+  static void accum(const uint8_t* r, int64_t D, float w, float* acc, float*) {
+    const float* p = reinterpret_cast<const float*>(r);
+    for (int64_t d = 0; d < D; ++d) acc[d] += w * p[d];
+  }
+  static void load(const uint8_t* r, int64_t D, float* dst) { std::memcpy(dst, r, D * 4); }
+  static void store(uint8_t* r, int64_t D, const float* src, bool, uint64_t) {
+    std::memcpy(r, src, D * 4);
+  }
+};
+
+struct F16 {
+  static constexpr int64_t kElem = 2;
+  static int64_t width(int64_t D) { return D; }
+  static void load(const uint8_t* r, int64_t D, float* dst) {
+    half_to_float(reinterpret_cast<const uint16_t*>(r), dst, D);
+  }
+  static void accum(const uint8_t* r, int64_t D, float w, float* acc, float* tmp) {
+    load(r, D, tmp);
+    for (int64_t d = 0; d < D; ++d) acc[d] += w * tmp[d];
+  }
+  static void store(uint8_t* r, int64_t D, const float* src, bool sr, uint64_t key) {
+    uint16_t* p = reinterpret_cast<uint16_t*>(r);
+    int64_t d = 0;
+#if defined(__F16C__)
+    if (!sr) {
+      for (; d + 8 <= D; d += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p + d),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT));
+    } else {
+      // Normal FP16 range: add 13 random bits below FP16's last mantissa bit, then
+      // truncate (round toward zero). Subnormal range (|x| < 2^-14, fixed spacing
+      // 2^-24): floor(|x| * 2^24 + u) * 2^-24, which FP16 holds exactly. Both unbiased.
+      const uint16_t* rnd = random16(key, D);
+      for (; d + 8 <= D; d += 8) {
+        alignas(32) float noisy[8];
+        for (int k = 0; k < 8; ++k) {
+          const float x = src[d + k], a = std::fabs(x);
+          const float u = (static_cast<float>(rnd[d + k]) + 0.5f) * (1.0f / 65536.0f);
+          const float sub = std::copysign(std::floor(a * 16777216.0f + u) * 5.9604644775390625e-08f, x);
+          const float nrm = float_of(bits_of(x) + (rnd[d + k] & 0x1FFFu));
+          noisy[k] = a < 6.103515625e-05f ? sub : nrm;
+        }
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p + d),
+                         _mm256_cvtps_ph(_mm256_load_ps(noisy), _MM_FROUND_TO_ZERO));
+      }
+    }
+#endif
+    for (; d < D; ++d)
+      p[d] = round16<half_bits, half_value>(src[d], sr, sr ? uniform01(key, d) : 0.f);
+  }
+};
+
+struct BF16 {
+  static constexpr int64_t kElem = 2;
+  static int64_t width(int64_t D) { return D; }
+  static void load(const uint8_t* r, int64_t D, float* dst) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(r);
+    uint32_t* o = reinterpret_cast<uint32_t*>(dst);
+    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<uint32_t>(p[d]) << 16;
+  }
+  static void accum(const uint8_t* r, int64_t D, float w, float* acc, float* tmp) {
+    load(r, D, tmp);
+    for (int64_t d = 0; d < D; ++d) acc[d] += w * tmp[d];
+  }
+  static void store(uint8_t* r, int64_t D, const float* src, bool sr, uint64_t key) {
+    uint16_t* p = reinterpret_cast<uint16_t*>(r);
+    if (!sr) {
+      for (int64_t d = 0; d < D; ++d) p[d] = bf16_bits(src[d]);
+      return;
+    }
+    // Add 16 random bits below BF16's last mantissa bit and truncate: unbiased.
+    const uint16_t* rnd = random16(key, D);
+    for (int64_t d = 0; d < D; ++d) {
+      const uint32_t u = bits_of(src[d]);
+      const bool finite = (u & 0x7F800000u) != 0x7F800000u;
+      p[d] = finite ? static_cast<uint16_t>((u + rnd[d]) >> 16) : bf16_bits(src[d]);
+    }
+  }
+};
+
+// Row-wise affine integer rows: [packed codes | fp16 scale | fp16 bias | pad].
+template <int Bits>
+struct IntRow {
+  static constexpr int64_t kElem = 1;
+  static constexpr int kLevels = (1 << Bits) - 1;
+  static int64_t payload(int64_t D) { return (D * Bits + 7) / 8; }
+  static int64_t width(int64_t D) { return (payload(D) + 4 + 3) / 4 * 4; }
+  static void tail(const uint8_t* r, int64_t D, float* scale, float* bias) {
+    uint16_t sb[2];
+    std::memcpy(sb, r + payload(D), 4);
+    *scale = half_value(sb[0]);
+    *bias = half_value(sb[1]);
+  }
+  static int code(const uint8_t* r, int64_t d) {
+    if (Bits == 8) return r[d];
+    return (r[d >> 1] >> ((d & 1) * 4)) & 0x0F;
+  }
+  static void load(const uint8_t* r, int64_t D, float* dst) {
+    float s, b;
+    tail(r, D, &s, &b);
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(code(r, d)) * s + b;
+  }
+  static void accum(const uint8_t* r, int64_t D, float w, float* acc, float* tmp) {
+    load(r, D, tmp);
+    for (int64_t d = 0; d < D; ++d) acc[d] += w * tmp[d];
+  }
+  static void store(uint8_t* r, int64_t D, const float* src, bool sr, uint64_t key) {
+    float lo = src[0], hi = src[0];
+    for (int64_t d = 1; d < D; ++d) {
+      lo = std::min(lo, src[d]);
+      hi = std::max(hi, src[d]);
+    }
+    uint16_t sb[2] = {half_bits((hi - lo) / static_cast<float>(kLevels)), half_bits(lo)};
+    float s = half_value(sb[0]), b = half_value(sb[1]);
+    float inv = s > 0 ? 1.0f / s : 0.0f;
+    std::memset(r, 0, width(D));
+    const uint16_t* rnd = sr ? random16(key, D) : nullptr;
+    for (int64_t d = 0; d < D; ++d) {
+      float q = (src[d] - b) * inv;
+      q = sr ? std::floor(q + (static_cast<float>(rnd[d]) + 0.5f) * (1.0f / 65536.0f))
+             : std::nearbyint(q);
+      int c = static_cast<int>(std::min(std::max(q, 0.0f), static_cast<float>(kLevels)));
+      if (Bits == 8) {
+        r[d] = static_cast<uint8_t>(c);
+      } else {
+        r[d >> 1] |= static_cast<uint8_t>(c << ((d & 1) * 4));
+      }
+    }
+    std::memcpy(r + payload(D), sb, 4);
+  }
+};
+
+struct Meta {
+  const int64_t *w_off, *dims, *rows, *row_off, *feat_table, *feat_cols, *feat_mean;
+  int64_t T, F, max_dim;
+};
+
+Meta read_meta(const std::vector<at::Tensor>& meta) {
+  TORCH_CHECK(meta.size() == 7, "tetrarec tbe: meta needs 7 tensors, got ", meta.size());
+  for (const auto& m : meta) {
+    TORCH_CHECK(m.scalar_type() == at::kLong && m.is_contiguous() && m.device().is_cpu(),
+                "tetrarec tbe: meta tensors must be contiguous int64 on CPU");
+  }
+  Meta M{meta[0].data_ptr<int64_t>(), meta[1].data_ptr<int64_t>(), meta[2].data_ptr<int64_t>(),
+         meta[3].data_ptr<int64_t>(), meta[4].data_ptr<int64_t>(), meta[5].data_ptr<int64_t>(),
+         meta[6].data_ptr<int64_t>(), meta[0].numel(), meta[4].numel(), 1};
+  for (int64_t t = 0; t < M.T; ++t) M.max_dim = std::max(M.max_dim, M.dims[t]);
+  return M;
+}
+
+inline void prefetch_row(const uint8_t* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+}
+
+// Exclusive prefix sum of the bag lengths: (F*B+1,) offsets. Serial: cheap next to the
+// lookups, and it avoids a parallel region per call.
+inline std::vector<int64_t> offsets_of(const at::Tensor& lengths) {
+  TORCH_CHECK(lengths.is_contiguous(), "tetrarec tbe: lengths must be contiguous");
+  std::vector<int64_t> off(lengths.numel() + 1, 0);
+  AT_DISPATCH_INDEX_TYPES(lengths.scalar_type(), "tbe_offsets", [&] {
+    const index_t* l = lengths.data_ptr<index_t>();
+    for (int64_t i = 0; i < lengths.numel(); ++i) off[i + 1] = off[i] + static_cast<int64_t>(l[i]);
+  });
+  return off;
+}
+
+constexpr int64_t kAhead = 4;  // bags (or rows) prefetched ahead
+
+template <class Codec, typename Idx>
+void forward_impl(const at::Tensor& weights, const Meta& M, const Idx* values,
+                  const int64_t* offsets, const float* psw, float* out, int64_t B, int64_t ld,
+                  bool check, int64_t* bad) {
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(weights.data_ptr());
+  auto row_ptr = [&](int64_t t, int64_t id) {
+    return base + (M.w_off[t] + id * Codec::width(M.dims[t])) * Codec::kElem;
+  };
+  at::parallel_for(0, M.F * B, 256, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(M.max_dim), tmp(M.max_dim);
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t f = s / B, b = s % B, t = M.feat_table[f];
+      if (s + kAhead < end) {  // prefetch the first rows of a later bag
+        const int64_t sp = s + kAhead, tp = M.feat_table[sp / B];
+        const int64_t jend = std::min(offsets[sp + 1], offsets[sp] + kAhead);
+        for (int64_t j = offsets[sp]; tp >= 0 && j < jend; ++j) {
+          const int64_t id = static_cast<int64_t>(values[j]);
+          if (id >= 0 && id < M.rows[tp])
+            prefetch_row(row_ptr(tp, id), Codec::width(M.dims[tp]) * Codec::kElem);
+        }
+      }
+      if (t < 0) continue;
+      const int64_t D = M.dims[t], bytes = Codec::width(D) * Codec::kElem;
+      std::fill(acc.begin(), acc.begin() + D, 0.0f);
+      const int64_t j0 = offsets[s], j1 = offsets[s + 1];
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t id = static_cast<int64_t>(values[j]);
+        if (check && (id < 0 || id >= M.rows[t])) {
+#pragma omp critical
+          if (bad[0] < 0 || f < bad[0] || (f == bad[0] && id < bad[1])) { bad[0] = f; bad[1] = id; }
+          continue;
+        }
+        if (j + kAhead < j1) {
+          const int64_t nid = static_cast<int64_t>(values[j + kAhead]);
+          if (nid >= 0 && nid < M.rows[t]) prefetch_row(row_ptr(t, nid), bytes);
+        }
+        Codec::accum(row_ptr(t, id), D, psw ? psw[j] : 1.0f, acc.data(), tmp.data());
+      }
+      float* o = out + b * ld + M.feat_cols[f];
+      if (M.feat_mean[f] && j1 > j0) {
+        const float L = static_cast<float>(j1 - j0);
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / L;
+      } else {
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[d];
+      }
+    }
+  });
+}
+
+}  // namespace
+
+#include "tbe_cpu_backward.h"
+
+namespace {
+
+template <typename Fn>
+void dispatch_codec(const at::Tensor& weights, const std::string& precision, Fn&& fn) {
+  if (precision == "fp32") {
+    TORCH_CHECK(weights.scalar_type() == at::kFloat, "fp32 rows need float32 storage");
+    fn(F32{});
+  } else if (precision == "fp16") {
+    TORCH_CHECK(weights.scalar_type() == at::kHalf, "fp16 rows need float16 storage");
+    fn(F16{});
+  } else if (precision == "bf16") {
+    TORCH_CHECK(weights.scalar_type() == at::kBFloat16, "bf16 rows need bfloat16 storage");
+    fn(BF16{});
+  } else if (precision == "int8") {
+    TORCH_CHECK(weights.scalar_type() == at::kByte, "int8 rows need uint8 storage");
+    fn(IntRow<8>{});
+  } else if (precision == "int4") {
+    TORCH_CHECK(weights.scalar_type() == at::kByte, "int4 rows need uint8 storage");
+    fn(IntRow<4>{});
+  } else {
+    TORCH_CHECK(false, "tetrarec tbe: unsupported row precision ", precision);
+  }
+}
+
+at::Tensor tbe_forward(const at::Tensor& weights, const std::vector<at::Tensor>& meta,
+                       const at::Tensor& values, const at::Tensor& lengths,
+                       const c10::optional<at::Tensor>& psw, at::Tensor& out,
+                       const std::string& precision, bool check) {
+  const Meta M = read_meta(meta);
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.dim() == 2);
+  TORCH_CHECK(weights.is_contiguous() && values.is_contiguous());
+  const int64_t B = out.size(0);
+  TORCH_CHECK(lengths.numel() == M.F * B, "lengths must have F*B entries");
+  const std::vector<int64_t> offsets = offsets_of(lengths);
+  const float* psw_p = nullptr;
+  at::Tensor psw_c;
+  if (psw.has_value()) {
+    psw_c = psw->contiguous().to(at::kFloat);
+    psw_p = psw_c.data_ptr<float>();
+  }
+  at::Tensor bad = at::full({2}, -1, at::kLong);
+  int64_t* bad_p = bad.data_ptr<int64_t>();
+  dispatch_codec(weights, precision, [&](auto codec) {
+    using Codec = decltype(codec);
+    AT_DISPATCH_INDEX_TYPES(values.scalar_type(), "tbe_forward", [&] {
+      forward_impl<Codec, index_t>(weights, M, values.data_ptr<index_t>(),
+                                   offsets.data(), psw_p, out.data_ptr<float>(), B,
+                                   out.size(1), check, bad_p);
+    });
+  });
+  return bad;
+}
+
+at::Tensor tbe_backward_update(const at::Tensor& grad_out, at::Tensor& weights,
+                               const std::vector<at::Tensor>& meta, const at::Tensor& values,
+                               const at::Tensor& lengths, const c10::optional<at::Tensor>& psw,
+                               std::vector<at::Tensor> states,
+                               const std::vector<at::Tensor>& state_offsets,
+                               const std::string& optimizer, const std::vector<double>& hparams,
+                               const std::string& precision, const std::vector<int64_t>& flags) {
+  const Meta M = read_meta(meta);
+  at::Tensor g = grad_out.contiguous().to(at::kFloat);
+  TORCH_CHECK(hparams.size() == 5 && flags.size() == 5, "tbe backward: bad hparams/flags");
+  const std::vector<int64_t> offsets = offsets_of(lengths);
+  TORCH_CHECK(values.is_contiguous(), "tetrarec tbe: values must be contiguous");
+  BackwardArgs A;
+  A.M = &M;
+  A.B = g.size(0);
+  A.ld = g.size(1);
+  A.grad = g.data_ptr<float>();
+  A.offsets = offsets.data();
+  A.kind = optim_kind(optimizer);
+  A.lr = static_cast<float>(hparams[0]);
+  A.eps = static_cast<float>(hparams[1]);
+  A.beta1 = hparams[2];
+  A.beta2 = hparams[3];
+  A.wd = static_cast<float>(hparams[4]);
+  A.stochastic = flags[0] != 0;
+  A.seed = static_cast<uint64_t>(flags[1]) * 0x9E3779B97F4A7C15ULL ^ static_cast<uint64_t>(flags[2]);
+  at::Tensor psw_c, psw_grad = at::empty({0}, g.options());
+  if (psw.has_value()) {
+    psw_c = psw->contiguous().to(at::kFloat);
+    A.psw = psw_c.data_ptr<float>();
+    if (flags[4]) {
+      psw_grad = at::zeros({values.numel()}, g.options());
+      A.psw_grad = psw_grad.data_ptr<float>();
+    }
+  }
+  TORCH_CHECK(states.size() == state_offsets.size() && states.size() <= 3);
+  for (size_t k = 0; k < states.size(); ++k) {
+    TORCH_CHECK(states[k].scalar_type() == at::kFloat && states[k].is_contiguous());
+    A.state[k] = states[k].data_ptr<float>();
+    A.state_off[k] = state_offsets[k].data_ptr<int64_t>();
+  }
+  dispatch_codec(weights, precision, [&](auto codec) {
+    using Codec = decltype(codec);
+    AT_DISPATCH_INDEX_TYPES(values.scalar_type(), "tbe_backward", [&] {
+      backward_impl<Codec, index_t>(weights, A, values.data_ptr<index_t>(), values.numel());
+    });
+  });
+  return psw_grad;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("tbe_forward", &tbe_forward, "pooled table-batched lookup (CPU)");
+  m.def("tbe_backward_update", &tbe_backward_update, "fused backward + optimizer (CPU)");
+}

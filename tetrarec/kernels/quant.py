@@ -1,0 +1,180 @@
+"""Row codecs: how one embedding row is stored in each precision, and stochastic rounding.
+
+Float formats store a row as ``dim`` values of the precision's dtype. Integer formats
+(INT8, INT4) store a row as one contiguous block of bytes (FBGEMM's fused row layout)::
+
+    INT8, dim 4 (row_bytes 8):   [q0 q1 q2 q3 | scale(fp16) bias(fp16)]
+    INT4, dim 4 (row_bytes 8):   [q1q0 q3q2 | scale(fp16) bias(fp16) | pad pad]
+                                  (low nibble first)
+
+and decode as ``x = q * scale + bias`` in FP32. Encoding recomputes a row's scale and
+bias from its min and max, so an updated row always spans its full integer range.
+
+Stochastic rounding rounds ``x`` to one of its two neighbours ``lo <= x <= hi`` with
+``P(hi) = (x - lo) / (hi - lo)``, so that ``E[round(x)] = x`` (unbiased); repeated small
+updates to low-precision rows then do not vanish as they do with round-to-nearest.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tetrarec.types import Precision
+
+__all__ = [
+    "SUPPORTED_PRECISIONS",
+    "decode_rows",
+    "dequantize_rows",
+    "encode_rows",
+    "quantize_rows",
+    "row_width",
+    "stochastic_round",
+]
+
+SUPPORTED_PRECISIONS = (
+    Precision.FP32,
+    Precision.FP16,
+    Precision.BF16,
+    Precision.INT8,
+    Precision.INT4,
+)
+
+
+def _check_supported(precision: Precision) -> None:
+    if precision not in SUPPORTED_PRECISIONS:
+        valid = ", ".join(p.value for p in SUPPORTED_PRECISIONS)
+        raise ValueError(f"row precision {precision.value!r} is not supported; valid: {valid}")
+
+
+def row_width(precision: Precision, dim: int) -> int:
+    """Storage elements one row takes: ``dim`` for float formats, bytes for integer ones.
+
+    Raises:
+        ValueError: for a precision the row store does not support (FP8).
+    """
+    _check_supported(precision)
+    return precision.row_bytes(dim) if precision.is_integer else dim
+
+
+def stochastic_round(
+    x: torch.Tensor, dtype: torch.dtype, *, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Round FP32 ``x`` to ``dtype`` (float16 or bfloat16), unbiased.
+
+    Args:
+        x: FP32 values.
+        dtype: ``torch.float16`` or ``torch.bfloat16``.
+        generator: source of the uniform draws (on ``x.device``).
+
+    Returns:
+        A tensor of ``dtype`` shaped like ``x``; each value is one of the two ``dtype``
+        neighbours of ``x``, chosen with probability proportional to its closeness.
+
+    Raises:
+        ValueError: for another dtype.
+    """
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"stochastic_round targets float16 or bfloat16, got {dtype}")
+    x = x.float()
+    near = x.to(dtype)  # round to nearest
+    diff = x - near.float()
+    toward = torch.where(diff >= 0, torch.inf, -torch.inf).to(dtype)
+    other = torch.nextafter(near, toward)
+    gap = (other.float() - near.float()).abs()
+    p_other = torch.where(gap > 0, diff.abs() / gap, torch.zeros_like(gap))
+    u = torch.rand(x.shape, generator=generator, device=x.device)
+    return torch.where(u < p_other, other, near)
+
+
+def quantize_rows(
+    x: torch.Tensor,
+    precision: Precision,
+    *,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Pack FP32 rows ``(R, D)`` into INT8/INT4 rows ``(R, row_bytes(D))`` uint8.
+
+    Args:
+        x: ``(R, D)`` FP32 rows.
+        precision: ``Precision.INT8`` or ``Precision.INT4``.
+        stochastic: round the integer codes stochastically (unbiased) instead of to
+            nearest.
+        generator: source of the uniform draws when ``stochastic``.
+
+    Raises:
+        ValueError: if ``precision`` is not an integer format.
+    """
+    if not precision.is_integer:
+        raise ValueError(f"quantize_rows packs INT8/INT4 rows, got {precision.value}")
+    rows, dim = x.shape
+    x = x.float()
+    levels = (1 << precision.bits) - 1
+    lo, hi = x.aminmax(dim=1, keepdim=True)  # (R, 1) each
+    scale = ((hi - lo) / levels).half().float()
+    bias = lo.half().float()
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = (x - bias) * inv
+    if stochastic:
+        u = torch.rand(q.shape, generator=generator, device=x.device)
+        q = torch.floor(q + u)
+    else:
+        q = torch.round(q)
+    q = q.clamp_(0, levels).to(torch.uint8)  # (R, D)
+    out = torch.zeros(rows, precision.row_bytes(dim), dtype=torch.uint8, device=x.device)
+    payload = (dim * precision.bits + 7) // 8
+    if precision.bits == 4:
+        if dim % 2:
+            q = torch.nn.functional.pad(q, (0, 1))
+        q = q[:, 0::2] | (q[:, 1::2] << 4)  # (R, ceil(D/2)), low nibble first
+    out[:, :payload] = q
+    tail = torch.cat([scale.half(), bias.half()], dim=1)  # (R, 2) fp16
+    out[:, payload : payload + 4] = tail.view(torch.uint8)
+    return out
+
+
+def dequantize_rows(packed: torch.Tensor, precision: Precision, dim: int) -> torch.Tensor:
+    """Unpack INT8/INT4 rows ``(R, row_bytes(dim))`` uint8 into FP32 ``(R, dim)``.
+
+    Raises:
+        ValueError: if ``precision`` is not an integer format or the row width is wrong.
+    """
+    if not precision.is_integer:
+        raise ValueError(f"dequantize_rows unpacks INT8/INT4 rows, got {precision.value}")
+    if packed.dim() != 2 or packed.shape[1] != precision.row_bytes(dim):
+        raise ValueError(
+            f"{precision.value} rows of dim {dim} are {precision.row_bytes(dim)} bytes, "
+            f"got shape {tuple(packed.shape)}"
+        )
+    payload = (dim * precision.bits + 7) // 8
+    q = packed[:, :payload]
+    if precision.bits == 4:
+        q = torch.stack([q & 0x0F, q >> 4], dim=2).reshape(packed.shape[0], -1)[:, :dim]
+    tail = packed[:, payload : payload + 4].contiguous().view(torch.float16).float()  # (R, 2)
+    return q.float() * tail[:, 0:1] + tail[:, 1:2]
+
+
+def encode_rows(
+    x: torch.Tensor,
+    precision: Precision,
+    *,
+    stochastic: bool,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """FP32 rows ``(R, D)`` to stored rows ``(R, row_width(precision, D))``."""
+    _check_supported(precision)
+    if precision.is_integer:
+        return quantize_rows(x, precision, stochastic=stochastic, generator=generator)
+    if precision is Precision.FP32:
+        return x.float()
+    if stochastic:
+        return stochastic_round(x, precision.torch_dtype, generator=generator)
+    return x.to(precision.torch_dtype)
+
+
+def decode_rows(rows: torch.Tensor, precision: Precision, dim: int) -> torch.Tensor:
+    """Stored rows ``(R, row_width(precision, dim))`` to FP32 ``(R, dim)``."""
+    _check_supported(precision)
+    if precision.is_integer:
+        return dequantize_rows(rows, precision, dim)
+    return rows.float()

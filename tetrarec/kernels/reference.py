@@ -1,0 +1,185 @@
+"""Portable pure-PyTorch table-batched lookup and fused backward + optimizer.
+
+These run on any device, are the oracle the compiled kernels are tested against, and
+are what runs when no compiled kernel is available. They take exactly the arguments of
+the ``tetrarec::`` ops in ``ops.py`` (see there for the layout of each argument).
+
+Backward, per table::
+
+    per-id grads  g_i = grad_out[bag(i), cols(f)] * psw_i (/ L for mean)   (n, D)
+    group ids     stable sort (deterministic) or torch.unique
+    sum per row   index_add_ in sorted order                              (U, D)
+    update        decode rows -> OPTIM_RULES[kind] -> encode rows, in place
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tetrarec.embedding import SparseOptimizerSpec
+from tetrarec.kernels.optim_rules import OPTIM_RULES, state_layout
+from tetrarec.kernels.quant import decode_rows, encode_rows, row_width
+from tetrarec.sparse import offsets_from_lengths
+from tetrarec.types import OptimizerKind, Precision
+
+__all__ = ["backward_update", "pooled_forward", "table_view"]
+
+
+def table_view(
+    weights: torch.Tensor, precision: Precision, offset: int, rows: int, dim: int
+) -> torch.Tensor:
+    """``(rows, row_width)`` view of one table inside the flat storage ``weights``."""
+    width = row_width(precision, dim)
+    return weights[offset : offset + rows * width].view(rows, width)
+
+
+def _bags(offsets: torch.Tensor, f: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bag lengths ``(B,)`` of feature ``f`` and the bag of each of its ids ``(n,)``."""
+    seg = offsets[f * batch : (f + 1) * batch + 1]
+    lengths = seg[1:] - seg[:-1]
+    bag = torch.repeat_interleave(torch.arange(batch, device=offsets.device), lengths)
+    return lengths, bag
+
+
+def pooled_forward(
+    weights: torch.Tensor,
+    meta: list[torch.Tensor],
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    out: torch.Tensor,
+    precision: str,
+    check_bounds: bool,
+) -> torch.Tensor:
+    """Pool the features of one row store into their columns of ``out`` (B, sum dims).
+
+    Returns:
+        ``(2,)`` int64 ``[feature, id]`` of the first out-of-range id, ``[-1, -1]`` if
+        none (checked only when ``check_bounds``).
+    """
+    prec = Precision(precision)
+    offsets = offsets_from_lengths(lengths.long())
+    w_off, dims, rows, _, feat_table, feat_cols, feat_mean = (m.tolist() for m in meta)
+    batch = out.shape[0]
+    starts = offsets[::batch].tolist()  # (F+1,) first value of each feature
+    for f, t in enumerate(feat_table):
+        if t < 0:
+            continue
+        ids = values[starts[f] : starts[f + 1]].long()
+        if check_bounds and ids.numel():
+            lo, hi = (int(x) for x in torch.aminmax(ids))
+            if lo < 0 or hi >= rows[t]:
+                bad = lo if lo < 0 else hi
+                return torch.tensor([f, bad], dtype=torch.int64)
+        d = dims[t]
+        emb = decode_rows(table_view(weights, prec, w_off[t], rows[t], d)[ids], prec, d)
+        if per_sample_weights is not None:
+            emb = emb * per_sample_weights[starts[f] : starts[f + 1], None]
+        lengths, bag = _bags(offsets, f, batch)
+        pooled = torch.zeros(batch, d, device=out.device).index_add_(0, bag, emb)  # (B, D)
+        if feat_mean[f]:
+            pooled /= lengths.clamp(min=1).unsqueeze(1)
+        out[:, feat_cols[f] : feat_cols[f] + d] = pooled
+    return torch.tensor([-1, -1], dtype=torch.int64)
+
+
+def _per_id_grads(
+    grad_out: torch.Tensor,
+    weights: torch.Tensor,
+    meta: list[list[int]],
+    t: int,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    psw: torch.Tensor | None,
+    psw_grad: torch.Tensor | None,
+    prec: Precision,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids ``(n,)`` of table ``t`` over its features and their gradients ``(n, D)``."""
+    w_off, dims, rows, _, feat_table, feat_cols, feat_mean = meta
+    batch, d = grad_out.shape[0], dims[t]
+    starts = offsets[::batch].tolist()
+    all_ids, all_grads = [], []
+    for f in (f for f, tt in enumerate(feat_table) if tt == t):
+        s, e = starts[f], starts[f + 1]
+        ids = values[s:e].long()
+        lengths, bag = _bags(offsets, f, batch)
+        g = grad_out[bag, feat_cols[f] : feat_cols[f] + d]  # (n, D)
+        if feat_mean[f]:
+            g = g / lengths.clamp(min=1)[bag].unsqueeze(1)
+        if psw is not None:
+            if psw_grad is not None:
+                emb = decode_rows(table_view(weights, prec, w_off[t], rows[t], d)[ids], prec, d)
+                psw_grad[s:e] = (g * emb).sum(dim=1)
+            g = g * psw[s:e, None]
+        all_ids.append(ids)
+        all_grads.append(g)
+    return torch.cat(all_ids), torch.cat(all_grads)
+
+
+def _sum_duplicates(
+    ids: torch.Tensor, grads: torch.Tensor, deterministic: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unique ids ``(U,)`` and their summed gradients ``(U, D)``."""
+    if deterministic:
+        # Stable sort fixes the order in which duplicates are added.
+        sorted_ids, perm = torch.sort(ids, stable=True)
+        uniq, inverse = torch.unique_consecutive(sorted_ids, return_inverse=True)
+        grads = grads[perm]
+    else:
+        uniq, inverse = torch.unique(ids, return_inverse=True)
+    summed = torch.zeros(uniq.numel(), grads.shape[1], device=grads.device)
+    return uniq, summed.index_add_(0, inverse, grads)
+
+
+def backward_update(
+    grad_out: torch.Tensor,
+    weights: torch.Tensor,
+    meta: list[torch.Tensor],
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    states: list[torch.Tensor],
+    state_offsets: list[torch.Tensor],
+    optimizer: str,
+    hparams: list[float],
+    precision: str,
+    flags: list[int],
+) -> torch.Tensor:
+    """Apply the fused optimizer to every row the batch touched; see ``ops.py``.
+
+    Returns:
+        ``(N,)`` gradient w.r.t. ``per_sample_weights`` (empty if none or not asked).
+    """
+    prec, kind = Precision(precision), OptimizerKind(optimizer)
+    offsets = offsets_from_lengths(lengths.long())
+    stochastic, seed, iteration, deterministic, want_psw_grad = flags
+    lr, eps, beta1, beta2, weight_decay = hparams
+    spec = SparseOptimizerSpec(
+        kind=kind, lr=lr, eps=eps, beta1=beta1, beta2=beta2, weight_decay=weight_decay
+    )
+    host = [m.tolist() for m in meta]
+    w_off, dims, rows = host[0], host[1], host[2]
+    psw_grad = None
+    if per_sample_weights is not None and want_psw_grad:
+        psw_grad = torch.zeros_like(per_sample_weights)
+    st_off = [o.tolist() for o in state_offsets]
+    for t in sorted({t for t in host[4] if t >= 0}):
+        args = (grad_out, weights, host, t, values, offsets, per_sample_weights, psw_grad, prec)
+        uniq, g = _sum_duplicates(*_per_id_grads(*args), bool(deterministic))
+        view = table_view(weights, prec, w_off[t], rows[t], dims[t])
+        w = decode_rows(view[uniq], prec, dims[t])  # (U, D)
+        names = list(state_layout(kind, dims[t]).items())
+        st_views = [
+            s[o[t] : o[t] + rows[t] * width].view(rows[t], width)
+            for s, o, (_, width) in zip(states, st_off, names)
+        ]
+        st = {name: v[uniq] for (name, _), v in zip(names, st_views)}
+        OPTIM_RULES[kind](w, g, st, spec, lr)
+        gen = torch.Generator(device=weights.device)
+        gen.manual_seed((seed * 1_000_003 + iteration * 7_919 + t) % (2**63))
+        view[uniq] = encode_rows(w, prec, stochastic=bool(stochastic), generator=gen)
+        for (name, _), v in zip(names, st_views):
+            v[uniq] = st[name]
+    if psw_grad is None:
+        return torch.empty(0, device=grad_out.device)
+    return psw_grad

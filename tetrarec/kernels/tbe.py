@@ -1,0 +1,342 @@
+"""``FusedEmbeddingBagCollection``: table-batched lookup with the optimizer fused in backward.
+
+A drop-in for the reference ``EmbeddingBagCollection`` (same protocol, same initial
+weights for the same seed)::
+
+    SparseFeatures (F, B, L[f][b])  ->  PooledEmbeddings (B, D_0 + D_1 + ...)
+
+The tables live in flat row stores (one per precision, see ``layout.py``). Forward is
+one ``tetrarec::tbe_forward`` call per store; backward is one
+``tetrarec::tbe_backward_update`` call per store, which sums the gradient of each touched
+row and applies the optimizer to that row and its state in place. No gradient the size
+of a table ever exists and the trainer builds no sparse optimizer
+(``fused_optimizer = True``).
+
+State dict layout (independent of the flat storage)::
+
+    weights.<table>         FP32/FP16/BF16 tables: (rows, dim) in the stored dtype;
+                            INT8/INT4 tables: packed rows (rows, row_bytes) uint8
+                            (codes, then FP16 scale and bias; see quant.py)
+    state.<table>.<name>    FP32; (rows, dim) for per-element state, (rows,) for
+                            per-row state (row-wise sums, Adam's step count)
+
+Loading is the exact inverse (bitwise). ``table_weights()`` gives dequantized FP32.
+``state_dict()`` returns views into the flat storage (no copy); clone them if the
+consumer needs separate storages. The stochastic rounding stream is a function of
+``(seed, iteration)``, saved in the state dict as ``rounding`` so a resumed run rounds the same.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from tetrarec.embedding import SparseOptimizerSpec, TableConfig, feature_order
+from tetrarec.kernels import ops
+from tetrarec.kernels.layout import plan_stores
+from tetrarec.kernels.quant import decode_rows, encode_rows, row_width
+from tetrarec.sparse import PooledEmbeddings, SparseFeatures, permute_keys
+from tetrarec.types import PoolingMode
+
+__all__ = ["FusedEmbeddingBagCollection"]
+
+logger = logging.getLogger(__name__)
+
+_INIT_CHUNK_ROWS = 1 << 20
+
+
+class _FusedLookup(torch.autograd.Function):
+    """Forward: pooled lookup. Backward: fused row updates; grads only for psw."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        module: FusedEmbeddingBagCollection,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        psw: torch.Tensor | None,
+        anchor: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx.module = module
+        ctx.save_for_backward(values, lengths, psw)
+        return module._lookup(values, lengths, psw)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        values, lengths, psw = ctx.saved_tensors
+        want_psw = psw is not None and ctx.needs_input_grad[3]
+        psw_grad = ctx.module._update(grad_out, values, lengths, psw, want_psw)
+        return None, None, None, psw_grad if want_psw else None, None
+
+
+class FusedEmbeddingBagCollection(nn.Module):
+    """Table-batched embedding bags whose backward applies the sparse optimizer.
+
+    Args:
+        tables: the tables; each feature looks up exactly one table. Each table's
+            ``precision`` (FP32, FP16, BF16, INT8, INT4) sets how its rows are stored;
+            rows are always computed in FP32.
+        optimizer: the rule applied in backward (SGD, Adagrad, row-wise Adagrad, Adam,
+            row-wise Adam) with its hyperparameters. Optimizer state is FP32.
+        check_bounds: raise ``ValueError`` naming the feature, id and table size for an
+            id outside its table (default). ``False`` skips the check for speed; an
+            out-of-range id is then undefined behaviour (never clamped or zeroed).
+        deterministic: bitwise-identical results across runs and thread counts. The
+            compiled CPU kernel always sums duplicates in a fixed order (it costs
+            nothing there); this switch selects between a stable sort and
+            ``torch.unique`` in the portable path.
+        stochastic_rounding: round updated FP16/BF16/INT8/INT4 rows stochastically
+            (unbiased); ``False`` rounds to nearest.
+        seed: seeds the initial weights (same draws as ``EmbeddingBagCollection(tables,
+            seed=seed)``) and the stochastic rounding streams.
+        device: where the rows live (default CPU).
+
+    Raises:
+        ValueError: for an unsupported precision or duplicate names.
+
+    Example:
+        >>> spec = SparseOptimizerSpec(kind=OptimizerKind.SGD, lr=0.1)
+        >>> table = TableConfig(name="t", num_embeddings=10, dim=4)
+        >>> ebc = FusedEmbeddingBagCollection([table], spec)
+        >>> ebc(SparseFeatures.from_lists({"t": [[1, 2], [3]]})).values.shape
+        torch.Size([2, 4])
+    """
+
+    fused_optimizer = True
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        optimizer: SparseOptimizerSpec,
+        *,
+        check_bounds: bool = True,
+        deterministic: bool = True,
+        stochastic_rounding: bool = True,
+        seed: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.tables = tuple(tables)
+        self.feature_names = feature_order(self.tables)
+        self.feature_dims = tuple(t.dim for t in self.tables for _ in t.feature_names)
+        self.optimizer = optimizer
+        self.check_bounds = check_bounds
+        self.deterministic = deterministic
+        self.stochastic_rounding = stochastic_rounding
+        self.seed = 0 if seed is None else seed
+        self.learning_rate = optimizer.lr
+        self.iteration = 0
+        self._has_mean = any(t.pooling is PoolingMode.MEAN for t in self.tables)
+        self._stores = plan_stores(self.tables, optimizer.kind)
+        self._where = {
+            i: (s, k) for s, st in enumerate(self._stores) for k, i in enumerate(st.tables)
+        }
+        self._anchor = torch.empty(0, requires_grad=True)
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        for s, store in enumerate(self._stores):
+            w = torch.empty(store.numel, dtype=store.precision.torch_dtype, device=dev)
+            self.register_buffer(f"_weights_{s}", w, persistent=False)
+            for k, n in enumerate(store.state_numel):
+                init = optimizer.initial_accumulator if store.state_names[k] == "sum" else 0.0
+                st = torch.full((n,), init, dtype=torch.float32, device=dev)
+                self.register_buffer(f"_state_{s}_{k}", st, persistent=False)
+        self._init_weights(seed)
+
+    # -- layout helpers -----------------------------------------------------------------
+
+    def _storage(self, s: int) -> torch.Tensor:
+        return getattr(self, f"_weights_{s}")
+
+    def _states(self, s: int) -> list[torch.Tensor]:
+        return [getattr(self, f"_state_{s}_{k}") for k in range(len(self._stores[s].state_names))]
+
+    def _table_rows(self, i: int) -> torch.Tensor:
+        """``(rows, row_width)`` view of table ``i`` in its store."""
+        s, k = self._where[i]
+        t, store = self.tables[i], self._stores[s]
+        width = row_width(t.precision, t.dim)
+        start = store.w_offsets[k]
+        return self._storage(s)[start : start + t.num_embeddings * width].view(-1, width)
+
+    def _table_state(self, i: int) -> dict[str, torch.Tensor]:
+        """``{name: (rows, width)}`` views of table ``i``'s optimizer state."""
+        s, k = self._where[i]
+        store, rows = self._stores[s], self.tables[i].num_embeddings
+        out = {}
+        for n, (name, flat) in enumerate(zip(store.state_names, self._states(s))):
+            start = store.state_offsets[n][k]
+            end = store.state_offsets[n][k + 1] if k + 1 < len(store.tables) else flat.numel()
+            out[name] = flat[start:end].view(rows, -1)
+        return out
+
+    @torch.no_grad()
+    def _init_weights(self, seed: int | None) -> None:
+        # Same draws, in the same order, as the reference EmbeddingBagCollection.
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        for i, t in enumerate(self.tables):
+            w = torch.empty(t.num_embeddings, t.dim).uniform_(-t.bound, t.bound, generator=gen)
+            dst = self._table_rows(i)
+            for r in range(0, t.num_embeddings, _INIT_CHUNK_ROWS):
+                chunk = w[r : r + _INIT_CHUNK_ROWS]
+                dst[r : r + _INIT_CHUNK_ROWS] = encode_rows(
+                    chunk, t.precision, stochastic=False
+                ).to(dst.device)
+
+    # -- the embedding-module protocol ----------------------------------------------------
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Learning rate of the next backward passes (for schedules).
+
+        Raises:
+            ValueError: if ``lr`` is negative.
+        """
+        if lr < 0:
+            raise ValueError(f"learning rate must be >= 0, got {lr}")
+        self.learning_rate = float(lr)
+
+    def forward(self, features: SparseFeatures) -> PooledEmbeddings:
+        """Pool every feature; output columns follow ``self.feature_names``.
+
+        Raises:
+            ValueError: for an out-of-range id (when ``check_bounds``), or per-id
+                weights on a mean-pooled collection.
+        """
+        if features.keys != self.feature_names:
+            features = permute_keys(features, self.feature_names)
+        if features.weights is not None and self._has_mean:
+            raise ValueError("per-id weights are supported with sum pooling only")
+        out = _FusedLookup.apply(
+            self, features.values, features.lengths, features.weights, self._anchor
+        )
+        return PooledEmbeddings(self.feature_names, self.feature_dims, out)
+
+    def _lookup(
+        self, values: torch.Tensor, lengths: torch.Tensor, psw: torch.Tensor | None
+    ) -> torch.Tensor:
+        batch = lengths.numel() // len(self.feature_names)
+        out = torch.empty(batch, sum(self.feature_dims), device=values.device)  # (B, sum D)
+        for s, store in enumerate(self._stores):
+            meta = self._meta(s)
+            bad = ops.tbe_forward(
+                self._storage(s), meta, values, lengths, psw, out,
+                store.precision.value, self.check_bounds,
+            )  # fmt: skip
+            if self.check_bounds:
+                self._raise_if_bad(bad)
+        return out
+
+    def _raise_if_bad(self, bad: torch.Tensor) -> None:
+        f, bad_id = (int(x) for x in bad.tolist())
+        if f < 0:
+            return
+        name = self.feature_names[f]
+        table = next(t for t in self.tables if name in t.feature_names)
+        raise ValueError(
+            f"feature {name!r}: id {bad_id} is outside its table {table.name!r} of "
+            f"{table.num_embeddings} rows (valid ids are 0..{table.num_embeddings - 1})"
+        )
+
+    def _meta(self, s: int) -> list[torch.Tensor]:
+        return self._cached_meta(s)[0]
+
+    def _cached_meta(self, s: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(meta, state offsets) tensors of store ``s`` on its device, built once."""
+        cache: dict[tuple[int, torch.device], tuple[list[torch.Tensor], list[torch.Tensor]]]
+        cache = self.__dict__.setdefault("_meta_cache", {})
+        dev = self._storage(s).device
+        if (s, dev) not in cache:
+            store = self._stores[s]
+            offs = [torch.tensor(x, dtype=torch.int64, device=dev) for x in store.state_offsets]
+            cache[(s, dev)] = (store.meta(self.tables, dev), offs)
+        return cache[(s, dev)]
+
+    def _update(
+        self,
+        grad_out: torch.Tensor,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        psw: torch.Tensor | None,
+        want_psw: bool,
+    ) -> torch.Tensor | None:
+        o = self.optimizer
+        hparams = [self.learning_rate, o.eps, o.beta1, o.beta2, o.weight_decay]
+        flags = [
+            int(self.stochastic_rounding), self.seed, self.iteration,
+            int(self.deterministic), int(want_psw),
+        ]  # fmt: skip
+        psw_grad = None
+        for s, store in enumerate(self._stores):
+            meta, offs = self._cached_meta(s)
+            g = ops.tbe_backward_update(
+                grad_out.contiguous(), self._storage(s), meta, values, lengths, psw,
+                self._states(s), offs,
+                o.kind.value, hparams, store.precision.value, flags,
+            )  # fmt: skip
+            if want_psw:
+                psw_grad = g if psw_grad is None else psw_grad + g
+        self.iteration += 1
+        return psw_grad
+
+    def table_weights(self) -> dict[str, torch.Tensor]:
+        """``{table name: (rows, dim) FP32}``, dequantized for low-precision tables."""
+        out = {}
+        for i, t in enumerate(self.tables):
+            out[t.name] = decode_rows(self._table_rows(i), t.precision, t.dim)
+        return out
+
+    def sparse_parameters(self) -> list[nn.Parameter]:
+        """Empty: the rows are updated in backward, no sparse optimizer is needed."""
+        return []
+
+    # -- state dict -----------------------------------------------------------------------
+
+    def _save_to_state_dict(
+        self, destination: dict[str, Any], prefix: str, keep_vars: bool
+    ) -> None:
+        for i, t in enumerate(self.tables):
+            rows = self._table_rows(i)
+            destination[f"{prefix}weights.{t.name}"] = rows if keep_vars else rows.detach()
+            for name, st in self._table_state(i).items():
+                st = st.squeeze(1) if st.shape[1] == 1 else st
+                destination[f"{prefix}state.{t.name}.{name}"] = st if keep_vars else st.detach()
+        # The stochastic-rounding stream position, so that a resumed run rounds the same.
+        destination[f"{prefix}rounding"] = torch.tensor([self.seed, self.iteration])
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        expected = {}
+        for i, t in enumerate(self.tables):
+            expected[f"{prefix}weights.{t.name}"] = self._table_rows(i)
+            for name, st in self._table_state(i).items():
+                expected[f"{prefix}state.{t.name}.{name}"] = st
+        for key, dst in expected.items():
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            src = state_dict[key]
+            if src.numel() != dst.numel() or src.dtype != dst.dtype:
+                error_msgs.append(
+                    f"{key}: expected {tuple(dst.shape)} {dst.dtype}, "
+                    f"got {tuple(src.shape)} {src.dtype}"
+                )
+                continue
+            with torch.no_grad():
+                dst.copy_(src.reshape(dst.shape))
+        rounding = state_dict.get(f"{prefix}rounding")  # optional: weights-only loads
+        if rounding is not None:
+            self.seed, self.iteration = (int(x) for x in rounding.tolist())
+        for key in state_dict:
+            if key.startswith(prefix) and key not in expected and key != f"{prefix}rounding":
+                unexpected_keys.append(key)
