@@ -9,10 +9,12 @@ state values a row needs.
 from __future__ import annotations
 
 import enum
+from typing import Self
 
 import torch
 
 __all__ = [
+    "NamedEnum",
     "OptimizerKind",
     "Placement",
     "PoolingMode",
@@ -21,13 +23,37 @@ __all__ = [
 ]
 
 
-class Precision(enum.Enum):
+class NamedEnum(enum.Enum):
+    """An enum whose members are named by lower-case strings, parsed from config text."""
+
+    #: The noun used in error messages ("unknown precision 'x'; valid: ...").
+    __noun__ = "value"
+
+    @classmethod
+    def parse(cls, value: str | Self) -> Self:
+        """Return the member named by ``value`` (case-insensitive), or ``value`` itself.
+
+        Raises:
+            ValueError: if ``value`` names no member; the message lists the valid ones.
+        """
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            valid = ", ".join(str(m.value) for m in cls)
+            raise ValueError(f"unknown {cls.__noun__} {value!r}; valid: {valid}") from None
+
+
+class Precision(NamedEnum):
     """How the values of an embedding row (or a message) are stored.
 
     Integer formats are row-wise affine: ``x ~= q * scale + bias`` with one FP16 scale
     and one FP16 bias per row, stored after the packed values so that a row is one
     contiguous block of bytes (FBGEMM's fused row layout).
     """
+
+    __noun__ = "precision"
 
     FP32 = "fp32"
     FP16 = "fp16"
@@ -68,21 +94,6 @@ class Precision(enum.Enum):
         """Byte alignment of a stored row (FBGEMM's ``align_size``)."""
         return 4 if self.is_integer else self.bits // 8
 
-    @classmethod
-    def parse(cls, value: str | Precision) -> Precision:
-        """Return the precision named by ``value`` (case-insensitive).
-
-        Raises:
-            ValueError: if ``value`` names no precision; the message lists the valid ones.
-        """
-        if isinstance(value, Precision):
-            return value
-        try:
-            return cls(value.lower())
-        except ValueError:
-            valid = ", ".join(p.value for p in cls)
-            raise ValueError(f"unknown precision {value!r}; valid: {valid}") from None
-
 
 _BITS = {
     Precision.FP32: 32,
@@ -102,29 +113,19 @@ _DTYPES = {
 }
 
 
-class PoolingMode(enum.Enum):
+class PoolingMode(NamedEnum):
     """How the embeddings of one bag are combined."""
+
+    __noun__ = "pooling"
 
     SUM = "sum"
     MEAN = "mean"
 
-    @classmethod
-    def parse(cls, value: str | PoolingMode) -> PoolingMode:
-        """Return the pooling mode named by ``value``.
 
-        Raises:
-            ValueError: if ``value`` names no pooling mode.
-        """
-        if isinstance(value, PoolingMode):
-            return value
-        try:
-            return cls(value.lower())
-        except ValueError:
-            raise ValueError(f"unknown pooling {value!r}; valid: sum, mean") from None
-
-
-class OptimizerKind(enum.Enum):
+class OptimizerKind(NamedEnum):
     """Sparse (embedding) optimizers, with the per-row state each keeps."""
+
+    __noun__ = "sparse optimizer"
 
     SGD = "sgd"
     ADAGRAD = "adagrad"
@@ -152,24 +153,11 @@ class OptimizerKind(enum.Enum):
         """True when the rule needs a per-row step count (bias correction)."""
         return self in (OptimizerKind.ADAM, OptimizerKind.ROWWISE_ADAM)
 
-    @classmethod
-    def parse(cls, value: str | OptimizerKind) -> OptimizerKind:
-        """Return the optimizer named by ``value``.
 
-        Raises:
-            ValueError: if ``value`` names no optimizer; the message lists the valid ones.
-        """
-        if isinstance(value, OptimizerKind):
-            return value
-        try:
-            return cls(value.lower())
-        except ValueError:
-            valid = ", ".join(o.value for o in cls)
-            raise ValueError(f"unknown sparse optimizer {value!r}; valid: {valid}") from None
-
-
-class ShardingType(enum.Enum):
+class ShardingType(NamedEnum):
     """How one table is placed over ranks."""
+
+    __noun__ = "sharding type"
 
     TABLE_WISE = "table_wise"
     ROW_WISE = "row_wise"
@@ -179,8 +167,10 @@ class ShardingType(enum.Enum):
     TABLE_COLUMN_WISE = "table_column_wise"
 
 
-class Placement(enum.Enum):
+class Placement(NamedEnum):
     """Where the rows of a table live."""
+
+    __noun__ = "placement"
 
     DEVICE = "device"
     HOST = "host"

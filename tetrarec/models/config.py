@@ -7,10 +7,9 @@ embedding module it is given (one source of truth per concept).
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
-from tetrarec.types import Precision
+from tetrarec.types import NamedEnum, Precision
 
 __all__ = ["DLRMConfig", "InteractionImpl", "ModelArch"]
 
@@ -18,29 +17,16 @@ __all__ = ["DLRMConfig", "InteractionImpl", "ModelArch"]
 _DENSE_PRECISIONS = (Precision.FP32, Precision.BF16)
 
 
-class ModelArch(enum.Enum):
+class ModelArch(NamedEnum):
     """Which interaction sits between the bottom and the top MLP."""
+
+    __noun__ = "model arch"
 
     DLRM = "dlrm"  # pairwise dot products (DLRM paper)
     DCN = "dcn"  # low-rank DCNv2 cross layers (MLPerf DLRM-DCNv2)
 
-    @classmethod
-    def parse(cls, value: str | ModelArch) -> ModelArch:
-        """Return the arch named by ``value`` (case-insensitive).
 
-        Raises:
-            ValueError: if ``value`` names no arch; the message lists the valid ones.
-        """
-        if isinstance(value, ModelArch):
-            return value
-        try:
-            return cls(value.lower())
-        except ValueError:
-            valid = ", ".join(a.value for a in cls)
-            raise ValueError(f"unknown model arch {value!r}; valid: {valid}") from None
-
-
-class InteractionImpl(enum.Enum):
+class InteractionImpl(NamedEnum):
     """Which implementation of the dot interaction runs.
 
     Both give the same outputs and gradients (tested); ``REFERENCE`` is the readable
@@ -48,23 +34,10 @@ class InteractionImpl(enum.Enum):
     backward batched products.
     """
 
+    __noun__ = "interaction impl"
+
     REFERENCE = "reference"
     FAST = "fast"
-
-    @classmethod
-    def parse(cls, value: str | InteractionImpl) -> InteractionImpl:
-        """Return the implementation named by ``value`` (case-insensitive).
-
-        Raises:
-            ValueError: if ``value`` names none; the message lists the valid ones.
-        """
-        if isinstance(value, InteractionImpl):
-            return value
-        try:
-            return cls(value.lower())
-        except ValueError:
-            valid = ", ".join(i.value for i in cls)
-            raise ValueError(f"unknown interaction impl {value!r}; valid: {valid}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
