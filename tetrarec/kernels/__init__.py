@@ -3,9 +3,12 @@
 Rows are stored in FP32, FP16, BF16, INT8 or INT4 and computed in FP32. The portable
 PyTorch path (``reference.py``) runs on any device; a compiled CPU kernel (``csrc/``,
 built on first use) sits behind the same ``tetrarec::`` ops (``ops.py``).
-``TETRAREC_KERNELS=reference`` forces the portable path.
+``TETRAREC_KERNELS=reference`` forces the portable path. ``build_cpu_kernels()`` builds
+(or loads from the cache) the compiled kernel ahead of time; ``make demo`` and
+``make test`` call it during set-up, so no run pays the build.
 """
 
+from tetrarec.kernels._build import compiled_cpu_kernels as build_cpu_kernels
 from tetrarec.kernels.optim_rules import OPTIM_RULES, state_layout
 from tetrarec.kernels.quant import (
     decode_rows,
@@ -20,6 +23,7 @@ from tetrarec.kernels.tbe import FusedEmbeddingBagCollection
 __all__ = [
     "OPTIM_RULES",
     "FusedEmbeddingBagCollection",
+    "build_cpu_kernels",
     "decode_rows",
     "dequantize_rows",
     "encode_rows",
