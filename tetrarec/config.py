@@ -100,7 +100,7 @@ class ModelConfig:
 
     num_sparse: int = 26
     num_embeddings: int | tuple[int, ...] = 100_000
-    embedding: EmbeddingKind = EmbeddingKind.REFERENCE
+    embedding: EmbeddingKind = EmbeddingKind.FUSED
     precision: Precision = Precision.FP32
     pooling: PoolingMode = PoolingMode.SUM
     dlrm: DLRMConfig = field(default_factory=DLRMConfig)
