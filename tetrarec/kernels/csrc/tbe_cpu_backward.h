@@ -88,24 +88,36 @@ inline void apply_rule(const BackwardArgs& A, int64_t t, int64_t row, int64_t D,
   }
 }
 
-// Stable LSD radix sort of (key << 32 | position) on the key bits; parallel over chunks.
-// Stability makes the result independent of the chunking, hence of the thread count.
-void radix_sort_keys(std::vector<uint64_t>& a, int key_bits) {
+// Buffers reused across calls (per calling thread): no allocation or page faults per step.
+struct Scratch {
+  std::vector<uint64_t> keys, tmp;
+  std::vector<int32_t> seg;
+  std::vector<int64_t> hist;
+  std::vector<float> grad;
+};
+inline Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+// Stable LSD radix sort of a[0, n) = (key << 32 | position) on the key bits; parallel
+// over chunks. Stability makes the result independent of the chunking, hence of the
+// thread count. Returns the buffer holding the result (`a` or `tmp`).
+uint64_t* radix_sort_keys(uint64_t* a, uint64_t* tmp, int64_t n, int key_bits,
+                          std::vector<int64_t>& hist) {
   constexpr int kDigit = 13, kBuckets = 1 << kDigit;  // 2 passes for up to 2^26 rows
-  const int64_t n = static_cast<int64_t>(a.size());
-  if (n < 2) return;
-  std::vector<uint64_t> tmp(n);
+  if (n < 2) return a;
   // Parallel only when large: each parallel region costs a barrier.
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / 262144));
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / 131072));
   const int64_t chunk = (n + parts - 1) / parts;
-  std::vector<int64_t> hist(parts * kBuckets);
+  hist.resize(parts * kBuckets);
   for (int shift = 32; shift < 32 + key_bits; shift += kDigit) {
     std::fill(hist.begin(), hist.end(), 0);
     at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         int64_t* h = hist.data() + p * kBuckets;
-        for (int64_t i = p * chunk; i < std::min(n, (p + 1) * chunk); ++i)
-          ++h[(a[i] >> shift) & (kBuckets - 1)];
+        const int64_t e = std::min(n, (p + 1) * chunk);
+        for (int64_t i = p * chunk; i < e; ++i) ++h[(a[i] >> shift) & (kBuckets - 1)];
       }
     });
     int64_t total = 0;
@@ -118,109 +130,294 @@ void radix_sort_keys(std::vector<uint64_t>& a, int key_bits) {
     at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         int64_t* h = hist.data() + p * kBuckets;
-        for (int64_t i = p * chunk; i < std::min(n, (p + 1) * chunk); ++i)
-          tmp[h[(a[i] >> shift) & (kBuckets - 1)]++] = a[i];
+        const int64_t e = std::min(n, (p + 1) * chunk);
+        for (int64_t i = p * chunk; i < e; ++i) tmp[h[(a[i] >> shift) & (kBuckets - 1)]++] = a[i];
       }
     });
-    a.swap(tmp);
+    std::swap(a, tmp);
   }
+  return a;
 }
 
 // Sorted (key << 32 | low) pairs of every id of the group's features, where low is the
 // id's position j when per-id weights need it, else its bag s = f * B + b (which saves a
 // random lookup of seg[j] per id later). seg[j] = s is filled only in the first case.
+// Built in parallel: the id at position j of feature f goes to slot j - skipped[f].
 template <typename Idx>
-std::vector<uint64_t> sorted_keys(const BackwardArgs& A, const Idx* values, std::vector<int32_t>& seg) {
+const uint64_t* sorted_keys(const BackwardArgs& A, const Idx* values, Scratch& S, int64_t* n_out) {
   const Meta& M = *A.M;
   const bool by_position = A.psw != nullptr;
-  std::vector<uint64_t> keys;
-  keys.reserve(A.offsets[M.F * A.B]);
+  const int64_t N = A.offsets[M.F * A.B];
+  std::vector<int64_t> skipped(M.F + 1, 0);
   int64_t total_rows = 1;
   for (int64_t f = 0; f < M.F; ++f) {
     const int64_t t = M.feat_table[f];
-    for (int64_t s = f * A.B; s < (f + 1) * A.B; ++s) {
-      for (int64_t j = A.offsets[s]; j < A.offsets[s + 1]; ++j) {
-        if (by_position) seg[j] = static_cast<int32_t>(s);
-        if (t < 0) continue;
-        const int64_t id = static_cast<int64_t>(values[j]);
-        TORCH_CHECK(id >= 0 && id < M.rows[t], "tetrarec tbe backward: id ", id,
-                    " outside table of ", M.rows[t], " rows");
-        const uint64_t low = static_cast<uint64_t>(by_position ? j : s);
-        keys.push_back(static_cast<uint64_t>(M.row_off[t] + id) << 32 | low);
-      }
-    }
+    const int64_t cnt = A.offsets[(f + 1) * A.B] - A.offsets[f * A.B];
+    skipped[f + 1] = skipped[f] + (t < 0 ? cnt : 0);
     if (t >= 0) total_rows = std::max(total_rows, M.row_off[t] + M.rows[t]);
   }
   TORCH_CHECK(total_rows < (int64_t(1) << 32), "tetrarec tbe: more than 2^32 rows in one store");
+  const int64_t n = N - skipped[M.F];
+  if (static_cast<int64_t>(S.keys.size()) < n) {
+    S.keys.resize(n);
+    S.tmp.resize(n);
+  }
+  if (by_position && static_cast<int64_t>(S.seg.size()) < N) S.seg.resize(N);
+  uint64_t* keys = S.keys.data();
+  int32_t* seg = S.seg.data();
+  std::atomic<int64_t> bad_pos{N};
+  at::parallel_for(0, M.F * A.B, 2048, [&](int64_t s0, int64_t s1) {
+    int64_t bad = N;
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t f = s / A.B, t = M.feat_table[f];
+      const int64_t j0 = A.offsets[s], j1 = A.offsets[s + 1];
+      if (by_position)
+        for (int64_t j = j0; j < j1; ++j) seg[j] = static_cast<int32_t>(s);
+      if (t < 0) continue;
+      const int64_t rows = M.rows[t], roff = M.row_off[t], sk = skipped[f];
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t id = static_cast<int64_t>(values[j]);
+        if (id < 0 || id >= rows) {
+          bad = std::min(bad, j);
+          continue;
+        }
+        const uint64_t low = static_cast<uint64_t>(by_position ? j : s);
+        keys[j - sk] = static_cast<uint64_t>(roff + id) << 32 | low;
+      }
+    }
+    if (bad < N) {
+      int64_t cur = bad_pos.load();
+      while (bad < cur && !bad_pos.compare_exchange_weak(cur, bad)) {
+      }
+    }
+  });
+  if (bad_pos.load() < N) {
+    const int64_t j = bad_pos.load();
+    const int64_t s = std::upper_bound(A.offsets, A.offsets + M.F * A.B + 1, j) - A.offsets - 1;
+    TORCH_CHECK(false, "tetrarec tbe backward: id ", static_cast<int64_t>(values[j]),
+                " outside table of ", M.rows[M.feat_table[s / A.B]], " rows");
+  }
   int bits = 1;
   while ((int64_t(1) << bits) < total_rows) ++bits;
-  radix_sort_keys(keys, bits);
-  return keys;
+  *n_out = n;
+  return radix_sort_keys(keys, S.tmp.data(), n, bits, S.hist);
+  return radix_sort_keys(keys, S.tmp.data(), n, bits, S.hist);
+}
+
+// Row-wise Adagrad for up to kBatch rows at once. Each row's sum of squares is the same
+// sequential sum as apply_rule's (bitwise), but the rows' chains are interleaved so the
+// adds of different rows overlap instead of waiting on each other.
+constexpr int kBatch = 8;
+inline void rowwise_adagrad_batch(const BackwardArgs& A, int n, const int64_t* ts,
+                                  const int64_t* rows, const int64_t* Ds, float* const* w,
+                                  float* const* g) {
+  if (A.wd != 0.0f)
+    for (int i = 0; i < n; ++i)
+      for (int64_t d = 0; d < Ds[i]; ++d) g[i][d] += A.wd * w[i][d];
+  float sq[kBatch] = {};
+  bool same = true;
+  for (int i = 1; i < n; ++i) same = same && Ds[i] == Ds[0];
+  if (same && n == kBatch) {
+    const int64_t D = Ds[0];
+    for (int64_t d = 0; d < D; ++d)
+      for (int i = 0; i < kBatch; ++i) sq[i] += g[i][d] * g[i][d];
+  } else {
+    for (int i = 0; i < n; ++i)
+      for (int64_t d = 0; d < Ds[i]; ++d) sq[i] += g[i][d] * g[i][d];
+  }
+  for (int i = 0; i < n; ++i) {
+    const int64_t D = Ds[i];
+    float* m = A.state[0] + A.state_off[0][ts[i]] + rows[i];
+    *m += sq[i] / static_cast<float>(D);
+    const float mult = A.lr / (std::sqrt(*m) + A.eps);
+    float* wi = w[i];
+    const float* gi = g[i];
+    for (int64_t d = 0; d < D; ++d) wi[d] -= gi[d] * mult;
+  }
+}
+
+// The sorted ids visit bags in random order: gather the gradient rows of this store's
+// features bag-major (feature f's bags contiguous, (B, D_f)), already divided by the bag
+// length for mean pooling (the same division as the direct path: same bits). A feature's
+// block is then a few hundred KiB of consecutive pages instead of B strided rows.
+// Skipped (direct reads of grad_out) when there are fewer ids than two per bag.
+struct GradRows {
+  const BackwardArgs* A = nullptr;
+  const float* gathered = nullptr;
+  std::vector<int64_t> goff;  // (F,) first element of each feature's block
+  uint32_t B32 = 1;
+
+  GradRows(const BackwardArgs& args, int64_t n, std::vector<float>& buf) : A(&args) {
+    const Meta& M = *A->M;
+    const int64_t FB = M.F * A->B;
+    B32 = static_cast<uint32_t>(A->B);
+    goff.assign(M.F, 0);
+    int64_t gsize = 0;
+    for (int64_t f = 0; f < M.F; ++f) {
+      goff[f] = gsize;
+      if (M.feat_table[f] >= 0) gsize += A->B * M.dims[M.feat_table[f]];
+    }
+    if (n < 2 * FB) return;
+    if (static_cast<int64_t>(buf.size()) < gsize) buf.resize(gsize);
+    float* gt = buf.data();
+    at::parallel_for(0, FB, 512, [&](int64_t s0, int64_t s1) {
+      for (int64_t s = s0; s < s1; ++s) {
+        const int64_t f = s / A->B, b = s % A->B, t = M.feat_table[f];
+        if (t < 0) continue;
+        const int64_t D = M.dims[t];
+        const float* go = A->grad + b * A->ld + M.feat_cols[f];
+        float* dst = gt + goff[f] + b * D;
+        const float L = bag_divisor(s, f);
+        if (L != 1.0f) {
+          for (int64_t d = 0; d < D; ++d) dst[d] = go[d] / L;
+        } else {
+          std::memcpy(dst, go, D * 4);
+        }
+      }
+    });
+    gathered = gt;
+  }
+  float bag_divisor(int64_t s, int64_t f) const {
+    return A->M->feat_mean[f] ? static_cast<float>(A->offsets[s + 1] - A->offsets[s]) : 1.0f;
+  }
+  // Gradient row of bag s; *f_out = its feature, *L_out = the divisor still to apply.
+  const float* row(int64_t s, int64_t* f_out, float* L_out) const {
+    const Meta& M = *A->M;
+    const uint32_t f = static_cast<uint32_t>(s) / B32, b = static_cast<uint32_t>(s) - f * B32;
+    *f_out = f;
+    if (gathered != nullptr) {
+      *L_out = 1.0f;
+      return gathered + goff[f] + static_cast<int64_t>(b) * M.dims[M.feat_table[f]];
+    }
+    *L_out = bag_divisor(s, f);
+    return A->grad + static_cast<int64_t>(b) * A->ld + M.feat_cols[f];
+  }
+};
+
+// One range of sorted ids per part (thread), each starting at a new row: (parts+1,).
+inline std::vector<int64_t> row_aligned_bounds(const uint64_t* keys, int64_t n) {
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / 4096));
+  std::vector<int64_t> bounds(parts + 1, n);
+  bounds[0] = 0;
+  for (int64_t p = 1; p < parts; ++p) {
+    int64_t k = std::max(bounds[p - 1], n * p / parts);
+    while (k > 0 && k < n && (keys[k] >> 32) == (keys[k - 1] >> 32)) ++k;
+    bounds[p] = k;
+  }
+  return bounds;
+}
+
+// Everything one part of the update needs.
+struct UpdateCtx {
+  const BackwardArgs* A;
+  const uint64_t* keys;
+  const int32_t* seg;  // position -> bag, when keys hold positions
+  const GradRows* grads;
+  uint8_t* base;
+  int64_t bag_of(uint64_t k) const {
+    const int64_t low = static_cast<int64_t>(k & 0xFFFFFFFFULL);
+    return A->psw != nullptr ? seg[low] : low;
+  }
+};
+
+// Sum the gradients of the ids [*k, end of their row) into acc (w: the decoded row, for
+// the per-id weight gradient); advances *k past them.
+inline void sum_row_grads(const UpdateCtx& C, int64_t* k, int64_t k_end, int64_t D,
+                          const float* w, float* acc) {
+  const BackwardArgs& A = *C.A;
+  const uint64_t key = C.keys[*k] >> 32;
+  std::fill(acc, acc + D, 0.0f);
+  for (; *k < k_end && (C.keys[*k] >> 32) == key; ++*k) {
+    const int64_t j = static_cast<int64_t>(C.keys[*k] & 0xFFFFFFFFULL);
+    int64_t f;
+    float L;
+    const float* go = C.grads->row(C.bag_of(C.keys[*k]), &f, &L);
+    if (A.psw != nullptr) {
+      if (A.psw_grad != nullptr) {
+        float dot = 0.0f;
+        for (int64_t d = 0; d < D; ++d) dot += (go[d] / L) * w[d];
+        A.psw_grad[j] = dot;
+      }
+      const float pw = A.psw[j];
+      for (int64_t d = 0; d < D; ++d) acc[d] += (go[d] / L) * pw;
+    } else if (L != 1.0f) {
+      for (int64_t d = 0; d < D; ++d) acc[d] += go[d] / L;
+    } else {
+      for (int64_t d = 0; d < D; ++d) acc[d] += go[d];
+    }
+  }
+}
+
+// Update the rows of sorted ids [k, k_end), kBatch rows at a time, prefetching the row,
+// its state and its first gradient kAhead rows ahead.
+template <class Codec>
+void update_range(const UpdateCtx& C, int64_t k, int64_t k_end) {
+  const BackwardArgs& A = *C.A;
+  const Meta& M = *A.M;
+  const bool rowwise = A.kind == Kind::kRowwiseAdagrad;
+  std::vector<float> wbuf(kBatch * M.max_dim), abuf(kBatch * M.max_dim);
+  float *wp[kBatch], *ap[kBatch];
+  uint8_t* rps[kBatch];
+  int64_t ts[kBatch], rows[kBatch], Ds[kBatch];
+  uint64_t rkeys[kBatch];
+  auto locate = [&](uint64_t key, int64_t* t, int64_t* row) -> uint8_t* {
+    int64_t f;
+    float L;
+    C.grads->row(C.bag_of(key), &f, &L);
+    *t = M.feat_table[f];
+    *row = static_cast<int64_t>(key >> 32) - M.row_off[*t];
+    return C.base + (M.w_off[*t] + *row * Codec::width(M.dims[*t])) * Codec::kElem;
+  };
+  int64_t kc = k;  // look-ahead cursor: start of a later row
+  auto advance_prefetch = [&]() {
+    if (kc >= k_end) return;
+    const uint64_t key = C.keys[kc];
+    int64_t tp, rp, fp;
+    float Lp;
+    prefetch_row(locate(key, &tp, &rp), Codec::width(M.dims[tp]) * Codec::kElem);
+    if (rowwise) __builtin_prefetch(A.state[0] + A.state_off[0][tp] + rp);
+    prefetch_row(reinterpret_cast<const uint8_t*>(C.grads->row(C.bag_of(key), &fp, &Lp)),
+                 M.dims[tp] * 4);
+    for (++kc; kc < k_end && (C.keys[kc] >> 32) == (key >> 32);) ++kc;
+  };
+  for (int64_t i = 0; i < kBatch; ++i) {
+    wp[i] = wbuf.data() + i * M.max_dim;
+    ap[i] = abuf.data() + i * M.max_dim;
+  }
+  for (int64_t i = 0; i < kAhead; ++i) advance_prefetch();
+  while (k < k_end) {
+    int nb = 0;
+    for (; nb < kBatch && k < k_end; ++nb) {
+      advance_prefetch();
+      rkeys[nb] = C.keys[k] >> 32;
+      rps[nb] = locate(C.keys[k], &ts[nb], &rows[nb]);
+      Ds[nb] = M.dims[ts[nb]];
+      Codec::load(rps[nb], Ds[nb], wp[nb]);
+      sum_row_grads(C, &k, k_end, Ds[nb], wp[nb], ap[nb]);
+    }
+    if (rowwise) {
+      rowwise_adagrad_batch(A, nb, ts, rows, Ds, wp, ap);
+    } else {
+      for (int i = 0; i < nb; ++i) apply_rule(A, ts[i], rows[i], Ds[i], wp[i], ap[i]);
+    }
+    for (int i = 0; i < nb; ++i)
+      Codec::store(rps[i], Ds[i], wp[i], A.stochastic,
+                   mix64(A.seed ^ (rkeys[i] * 0xA24BAED4963EE407ULL)));
+  }
 }
 
 template <class Codec, typename Idx>
 void backward_impl(at::Tensor& weights, const BackwardArgs& A, const Idx* values, int64_t N) {
   const Meta& M = *A.M;
   TORCH_CHECK(N < (int64_t(1) << 31) && M.F * A.B < (int64_t(1) << 31), "batch too large");
-  std::vector<int32_t> seg(A.psw != nullptr ? N : 0);
-  const std::vector<uint64_t> keys = sorted_keys(A, values, seg);
-  const bool by_position = A.psw != nullptr;
-  auto bag_of = [&](uint64_t k) -> int64_t {
-    const int64_t low = static_cast<int64_t>(k & 0xFFFFFFFFULL);
-    return by_position ? seg[low] : low;
-  };
-  std::vector<int64_t> starts;
-  for (int64_t i = 0; i < static_cast<int64_t>(keys.size()); ++i)
-    if (i == 0 || (keys[i] >> 32) != (keys[i - 1] >> 32)) starts.push_back(i);
-  starts.push_back(static_cast<int64_t>(keys.size()));
-  uint8_t* base = reinterpret_cast<uint8_t*>(weights.data_ptr());
-  const int64_t U = static_cast<int64_t>(starts.size()) - 1;
-  auto row_of = [&](int64_t u, int64_t* t_out) {
-    const int64_t t = M.feat_table[bag_of(keys[starts[u]]) / A.B];
-    *t_out = t;
-    return static_cast<int64_t>(keys[starts[u]] >> 32) - M.row_off[t];
-  };
-  at::parallel_for(0, U, 64, [&](int64_t u0, int64_t u1) {
-    std::vector<float> w(M.max_dim), acc(M.max_dim);
-    for (int64_t u = u0; u < u1; ++u) {
-      if (u + kAhead < u1) {  // prefetch a later row, its state and its first gradient
-        int64_t tp;
-        const int64_t rp = row_of(u + kAhead, &tp);
-        const int64_t width = Codec::width(M.dims[tp]);
-        prefetch_row(base + (M.w_off[tp] + rp * width) * Codec::kElem, width * Codec::kElem);
-        if (A.kind == Kind::kRowwiseAdagrad) __builtin_prefetch(A.state[0] + A.state_off[0][tp] + rp);
-        const int64_t sp = bag_of(keys[starts[u + kAhead]]);
-        prefetch_row(reinterpret_cast<const uint8_t*>(A.grad + (sp % A.B) * A.ld + M.feat_cols[sp / A.B]),
-                     M.dims[tp] * 4);
-      }
-      const uint64_t key = keys[starts[u]] >> 32;
-      const int64_t t = M.feat_table[bag_of(keys[starts[u]]) / A.B];
-      const int64_t D = M.dims[t], row = static_cast<int64_t>(key) - M.row_off[t];
-      uint8_t* rp = base + (M.w_off[t] + row * Codec::width(D)) * Codec::kElem;
-      Codec::load(rp, D, w.data());
-      std::fill(acc.begin(), acc.begin() + D, 0.0f);
-      for (int64_t k = starts[u]; k < starts[u + 1]; ++k) {
-        const int64_t j = static_cast<int64_t>(keys[k] & 0xFFFFFFFFULL), s = bag_of(keys[k]);
-        const int64_t f = s / A.B, b = s % A.B;
-        const float* go = A.grad + b * A.ld + M.feat_cols[f];
-        const float L = M.feat_mean[f] ? static_cast<float>(A.offsets[s + 1] - A.offsets[s]) : 1.0f;
-        if (A.psw != nullptr) {
-          if (A.psw_grad != nullptr) {
-            float dot = 0.0f;
-            for (int64_t d = 0; d < D; ++d) dot += (go[d] / L) * w[d];
-            A.psw_grad[j] = dot;
-          }
-          const float pw = A.psw[j];
-          for (int64_t d = 0; d < D; ++d) acc[d] += (go[d] / L) * pw;
-        } else if (L != 1.0f) {
-          for (int64_t d = 0; d < D; ++d) acc[d] += go[d] / L;
-        } else {
-          for (int64_t d = 0; d < D; ++d) acc[d] += go[d];
-        }
-      }
-      apply_rule(A, t, row, D, w.data(), acc.data());
-      Codec::store(rp, D, w.data(), A.stochastic, mix64(A.seed ^ (key * 0xA24BAED4963EE407ULL)));
-    }
+  Scratch& S = scratch();
+  int64_t n = 0;
+  const uint64_t* keys = sorted_keys(A, values, S, &n);
+  const GradRows grads(A, n, S.grad);
+  const UpdateCtx C{&A, keys, S.seg.data(), &grads, reinterpret_cast<uint8_t*>(weights.data_ptr())};
+  const std::vector<int64_t> bounds = row_aligned_bounds(keys, n);
+  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t p0, int64_t p1) {
+    update_range<Codec>(C, bounds[p0], bounds[p1]);
   });
 }
 
