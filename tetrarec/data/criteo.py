@@ -21,9 +21,12 @@ line in Python, to name the file, the 1-based line number and the field, or - wi
 from __future__ import annotations
 
 import gzip
+import os
 import re
 import zlib
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -355,11 +358,35 @@ def iter_criteo_blocks(
     path = Path(path)
     policy = BadLinePolicy.parse(on_bad_line)
     tally = BadLineTally() if tally is None else tally
-    for block, first_line in _line_blocks(path, on_bytes):
-        try:
-            yield _parse_fast(block)
-        except _BlockInvalidError:
-            yield _parse_slow(block, first_line, path, policy, tally)
+    # Blocks are parsed on a few threads (pyarrow and numpy release the GIL) and yielded
+    # in file order; a block the fast parser rejects is re-parsed line by line here, in
+    # order, so errors and skip counts are exactly those of a sequential read.
+    pending: deque[tuple[Future[CriteoBlock], bytes, int]] = deque()
+    with ThreadPoolExecutor(max_workers=_PARSE_THREADS) as pool:
+        for block, first_line in _line_blocks(path, on_bytes):
+            pending.append((pool.submit(_parse_fast, block), block, first_line))
+            if len(pending) > _PARSE_THREADS:
+                yield _finish_block(*pending.popleft(), path, policy, tally)
+        while pending:
+            yield _finish_block(*pending.popleft(), path, policy, tally)
+
+
+_PARSE_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+def _finish_block(
+    fast: Future[CriteoBlock],
+    block: bytes,
+    first_line: int,
+    path: Path,
+    policy: BadLinePolicy,
+    tally: BadLineTally,
+) -> CriteoBlock:
+    """The fast parse of ``block``, or its careful line-by-line parse if that failed."""
+    try:
+        return fast.result()
+    except _BlockInvalidError:
+        return _parse_slow(block, first_line, path, policy, tally)
 
 
 def read_criteo(
