@@ -120,13 +120,7 @@ def demo_train_samples_per_s(steps: int) -> tuple[float, str]:
         step[0] += 1
         logits = parts.model(b.dense, b.sparse)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, b.labels)
-        parts.dense_optimizer.zero_grad(set_to_none=True)
-        if parts.sparse_optimizer is not None:
-            parts.sparse_optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        parts.dense_optimizer.step()
-        if parts.sparse_optimizer is not None:
-            parts.sparse_optimizer.step()
+        parts.backward_and_step(loss)
 
     timing = measure(train_step, warmup=3, iters=steps)
     return bs / timing.median, f"demo DLRM ({cfg.model.embedding.value} embeddings, batch {bs})"

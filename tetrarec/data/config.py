@@ -10,8 +10,21 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 __all__ = ["BadLinePolicy", "DataConfig", "DataSource", "SyntheticConfig"]
+
+
+_Choice = TypeVar("_Choice", bound=enum.StrEnum)
+
+
+def _parse_choice(cls: type[_Choice], value: str | _Choice, what: str) -> _Choice:
+    """The member of ``cls`` named ``value``; a ValueError listing the valid ones if none."""
+    try:
+        return cls(value)
+    except ValueError:
+        valid = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"{what} must be one of {valid}, got {value!r}") from None
 
 
 class DataSource(enum.StrEnum):
@@ -29,11 +42,7 @@ class DataSource(enum.StrEnum):
         Raises:
             ValueError: naming the valid values.
         """
-        try:
-            return cls(value)
-        except ValueError:
-            valid = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"data source must be one of {valid}, got {value!r}") from None
+        return _parse_choice(cls, value, "data source")
 
 
 class BadLinePolicy(enum.StrEnum):
@@ -49,11 +58,7 @@ class BadLinePolicy(enum.StrEnum):
         Raises:
             ValueError: naming the valid values.
         """
-        try:
-            return cls(value)
-        except ValueError:
-            valid = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"on_bad_line must be one of {valid}, got {value!r}") from None
+        return _parse_choice(cls, value, "on_bad_line")
 
 
 def _positive(owner: str, **values: int | float) -> None:

@@ -86,6 +86,18 @@ class RunParts:
     dense_optimizer: torch.optim.Optimizer
     sparse_optimizer: torch.optim.Optimizer | None
 
+    def backward_and_step(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` and step both optimizers (a fused embedding module
+        updates its rows during the backward pass itself)."""
+        optimizers = [self.dense_optimizer]
+        if self.sparse_optimizer is not None:
+            optimizers.append(self.sparse_optimizer)
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+
 
 def build_parts(config: RunConfig, *, num_dense: int) -> RunParts:
     """Build the model and its optimizers, all initialized from ``config.train.seed``.

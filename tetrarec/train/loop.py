@@ -255,13 +255,7 @@ class _Run:
         if not math.isfinite(value):
             # Checked before backward: a fused module would apply the bad update there.
             raise NonFiniteLossError(self.step + 1, value, self.last_checkpoint)
-        parts.dense_optimizer.zero_grad(set_to_none=True)
-        if parts.sparse_optimizer is not None:
-            parts.sparse_optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        parts.dense_optimizer.step()
-        if parts.sparse_optimizer is not None:
-            parts.sparse_optimizer.step()
+        parts.backward_and_step(loss)
         self.step += 1
         return value
 
