@@ -1,6 +1,7 @@
 # The two commands (see README.md):
 #   make demo   set up .venv if needed, then train a small DLRM on built-in data
-#   make test   set up .venv with the test extras if needed, then run the whole suite
+#   make test   set up .venv with the test extras if needed, lint and type-check (make lint),
+#               then run the whole suite
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -28,12 +29,15 @@ setup: $(VENV)/.stamp-base
 demo: $(VENV)/.stamp-base
 	$(VENV)/bin/tetrarec demo
 
-test: $(VENV)/.stamp-test
+test: lint
 	$(PY) -m pytest -q
 
+# ruff, then mypy --strict on the package (settings in pyproject.toml); mypy keeps its
+# incremental cache in .mypy_cache, so a re-run checks only what changed.
 lint: $(VENV)/.stamp-test
 	$(PY) -m ruff check tetrarec tests benchmarks
 	$(PY) -m ruff format --check tetrarec tests benchmarks
+	$(PY) -m mypy tetrarec
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -38,12 +38,15 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tetrarec.data.config import DataConfig
 from tetrarec.embedding import SparseOptimizerSpec
 from tetrarec.models import DLRMConfig
 from tetrarec.types import PoolingMode, Precision
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = [
     "DecayKind",
@@ -230,7 +233,7 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (enums as strings, tuples as lists, ``None`` left out)."""
-        return config_to_dict(self)
+        return _fields_to_dict(self)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> RunConfig:
@@ -281,15 +284,13 @@ class RunConfig:
 # --- generic conversion between frozen dataclasses and plain dicts ---------------------
 
 
+_T = TypeVar("_T", bound="DataclassInstance")
+
+
 def config_to_dict(obj: Any) -> Any:
     """Convert a config dataclass (recursively) into TOML-compatible plain values."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out = {}
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            if value is not None:
-                out[f.name] = config_to_dict(value)
-        return out
+        return _fields_to_dict(obj)
     if isinstance(obj, enum.Enum):
         return obj.value
     if isinstance(obj, tuple | list):
@@ -297,7 +298,17 @@ def config_to_dict(obj: Any) -> Any:
     return obj
 
 
-def config_from_dict(cls: type[Any], values: Any, where: str) -> Any:
+def _fields_to_dict(obj: DataclassInstance) -> dict[str, Any]:
+    """``config_to_dict`` of one dataclass instance: its fields, ``None`` left out."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if value is not None:
+            out[f.name] = config_to_dict(value)
+    return out
+
+
+def config_from_dict(cls: type[_T], values: Any, where: str) -> _T:
     """Build dataclass ``cls`` from ``values``, strictly (``where`` names the section).
 
     Raises:
@@ -337,8 +348,9 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
         raise ValueError(" / ".join(errors))
     if origin is tuple:
         return _convert_tuple(typing.get_args(hint), value, where)
-    if dataclasses.is_dataclass(hint):
-        return config_from_dict(hint, value, where)
+    section = _dataclass_of(hint)
+    if section is not None:
+        return config_from_dict(section, value, where)
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         if isinstance(value, hint):
             return value
@@ -404,8 +416,8 @@ def _field_type(cls: type, path: list[str]) -> Any:
     return hint
 
 
-def _dataclass_of(hint: Any) -> type | None:
-    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+def _dataclass_of(hint: Any) -> type[DataclassInstance] | None:
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return hint
     return None
 

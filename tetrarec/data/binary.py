@@ -253,6 +253,8 @@ def _load_column(path: Path, shape: tuple[int, ...], dtype: type) -> np.ndarray:
         raise DataFileNotFoundError(path, "column file") from None
     except (ValueError, OSError) as e:
         raise DataError(f"unreadable or truncated column ({e})", path=path) from None
+    if not isinstance(arr, np.ndarray):  # np.load opens an .npz archive as an NpzFile
+        raise DataError(f"expected one .npy array, got {type(arr).__name__}", path=path)
     if arr.shape != shape or arr.dtype != np.dtype(dtype):
         raise DataError(
             f"expected shape {shape} {np.dtype(dtype)}, got {arr.shape} {arr.dtype}", path=path

@@ -9,6 +9,7 @@ file are normalized to tuples.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -136,18 +137,20 @@ class SyntheticConfig:
 def _as_tuple(value: object) -> tuple[str, ...]:
     if isinstance(value, str):
         return (value,)
-    return tuple(str(v) for v in value)  # type: ignore[attr-defined]  # any iterable
+    if not isinstance(value, Iterable):
+        raise TypeError(f"expected a string or a list of strings, got {value!r}")
+    return tuple(str(v) for v in value)
 
 
 def _check_rows(name: str, rows: tuple[int, int] | None) -> tuple[int, int] | None:
     if rows is None:
         return None
-    rows = tuple(int(r) for r in rows)  # type: ignore[assignment]  # TOML gives a list
-    if len(rows) != 2 or not 0 <= rows[0] < rows[1]:
+    bounds = tuple(int(r) for r in rows)  # TOML gives a list
+    if len(bounds) != 2 or not 0 <= bounds[0] < bounds[1]:
         raise ValueError(
-            f"DataConfig.{name} must be [start, stop) with 0 <= start < stop, got {rows}"
+            f"DataConfig.{name} must be [start, stop) with 0 <= start < stop, got {bounds}"
         )
-    return rows
+    return bounds[0], bounds[1]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,6 +21,7 @@ line in Python, to name the file, the 1-based line number and the field, or - wi
 from __future__ import annotations
 
 import gzip
+import io
 import os
 import re
 import zlib
@@ -106,7 +107,7 @@ class _BlockInvalidError(Exception):
     """The fast path found a bad value; the block is re-parsed line by line."""
 
 
-def open_input(path: Path) -> tuple[BinaryIO, BinaryIO]:
+def open_input(path: Path) -> tuple[io.BufferedIOBase, BinaryIO]:
     """Open ``path`` for reading, gunzipping when it starts with the gzip magic bytes.
 
     Returns:
@@ -125,11 +126,11 @@ def open_input(path: Path) -> tuple[BinaryIO, BinaryIO]:
     magic = raw.read(2)
     raw.seek(0)
     if magic == b"\x1f\x8b":
-        return gzip.GzipFile(fileobj=raw, mode="rb"), raw  # type: ignore[return-value]  # GzipFile is a BinaryIO
+        return gzip.GzipFile(fileobj=raw, mode="rb"), raw
     return raw, raw
 
 
-def _read_some(stream: BinaryIO, path: Path) -> bytes:
+def _read_some(stream: io.BufferedIOBase, path: Path) -> bytes:
     try:
         return stream.read(_BLOCK_BYTES)
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:
@@ -212,7 +213,8 @@ def _hex_column_ragged(offsets: np.ndarray, data: np.ndarray, lens: np.ndarray) 
     nib = np.where(valid, _NIBBLE[data[pos]], 0)  # (n, 8)
     if (nib == 255).any():
         raise _BlockInvalidError
-    return (nib.astype(np.uint32) << _SHIFTS).sum(axis=1, dtype=np.uint32)
+    out: np.ndarray = (nib.astype(np.uint32) << _SHIFTS).sum(axis=1, dtype=np.uint32)
+    return out
 
 
 def _label_column(arr: pa.Array) -> np.ndarray:
@@ -223,7 +225,8 @@ def _label_column(arr: pa.Array) -> np.ndarray:
     byte = data[offsets[:-1]]
     if ((byte != ord("0")) & (byte != ord("1"))).any():
         raise _BlockInvalidError
-    return (byte == ord("1")).astype(np.float32)
+    labels: np.ndarray = (byte == ord("1")).astype(np.float32)
+    return labels
 
 
 _READ_OPTIONS = pacsv.ReadOptions(column_names=list(_FIELDS), block_size=_BLOCK_BYTES + 1024)

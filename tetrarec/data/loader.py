@@ -30,7 +30,12 @@ __all__ = ["BatchLoader"]
 
 logger = logging.getLogger(__name__)
 
-_END = object()
+
+class _End:
+    """The producer's last queue item: the source is exhausted."""
+
+
+_END = _End()
 
 
 class _Failure:
@@ -38,17 +43,20 @@ class _Failure:
         self.error = error
 
 
+_Item = Batch | _Failure | _End
+
+
 class _Prefetcher:
     """Runs an iterator in a daemon thread, ``depth`` items ahead of the consumer."""
 
     def __init__(self, source: Iterator[Batch], depth: int) -> None:
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue[_Item] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._source = source
         self._thread = threading.Thread(target=self._run, name="tetrarec-prefetch", daemon=True)
         self._thread.start()
 
-    def _put(self, item: object) -> bool:
+    def _put(self, item: _Item) -> bool:
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=0.05)
@@ -69,11 +77,11 @@ class _Prefetcher:
     def __iter__(self) -> Iterator[Batch]:
         while True:
             item = self._queue.get()
-            if item is _END:
+            if isinstance(item, _End):
                 return
             if isinstance(item, _Failure):
                 raise item.error
-            yield item  # type: ignore[misc]  # the queue holds batches otherwise
+            yield item
 
     def close(self) -> None:
         self._stop.set()

@@ -52,7 +52,10 @@ def _numbers(col: pa.ChunkedArray, path: Path, name: str) -> np.ndarray:
         or pa.types.is_boolean(col.type)
     ):
         raise DataError(f"expected a numeric column, got {col.type}", path=path, field=name)
-    return col.combine_chunks().fill_null(0).to_numpy(zero_copy_only=False).astype(np.float64)
+    values: np.ndarray = (
+        col.combine_chunks().fill_null(0).to_numpy(zero_copy_only=False).astype(np.float64)
+    )
+    return values
 
 
 def _labels(col: pa.ChunkedArray, path: Path, name: str) -> np.ndarray:

@@ -53,7 +53,8 @@ def _splitmix(x: np.ndarray) -> np.ndarray:
     x = x + _GOLDEN
     x = (x ^ (x >> np.uint64(30))) * _M1
     x = (x ^ (x >> np.uint64(27))) * _M2
-    return x ^ (x >> np.uint64(31))
+    x = x ^ (x >> np.uint64(31))
+    return x
 
 
 def _key(seed: int, stream: int, feature: int = 0) -> np.uint64:
@@ -61,12 +62,13 @@ def _key(seed: int, stream: int, feature: int = 0) -> np.uint64:
     k = np.array([seed & _MASK], dtype=np.uint64)
     for part in (stream, feature):
         k = _splitmix(k ^ np.uint64(part & _MASK))
-    return k[0]
+    return np.uint64(k[0])
 
 
 def _uniform(key: np.uint64, counter: np.ndarray) -> np.ndarray:
     """Uniform ``[0, 1)`` float64, one per ``counter`` (uint64 array)."""
-    return (_splitmix(counter + key) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    u: np.ndarray = (_splitmix(counter + key) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    return u
 
 
 def _normal(key: np.uint64, counter: np.ndarray) -> np.ndarray:
@@ -74,7 +76,8 @@ def _normal(key: np.uint64, counter: np.ndarray) -> np.ndarray:
     c = counter.astype(np.uint64) << np.uint64(1)
     u1 = _uniform(key, c)
     u2 = _uniform(key, c | np.uint64(1))
-    return np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * np.pi * u2)
+    z: np.ndarray = np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * np.pi * u2)
+    return z
 
 
 def zipf_ranks(u: np.ndarray, n: int, s: float) -> np.ndarray:
@@ -213,11 +216,12 @@ class SyntheticDataset:
         pairs = max(nf * (nf - 1) / 2, 1.0)
         inter = 0.5 * ((z * z).sum(1) - sq) / math.sqrt(pairs)
         dense_term = dense.astype(np.float64) @ self._w if self.num_dense else 0.0
-        return (
+        logits: np.ndarray = (
             cfg.dense_weight * dense_term
             + cfg.id_weight * id_term / math.sqrt(max(nf, 1))
             + cfg.interaction_weight * inter
         )
+        return logits
 
     def _solve_bias(self) -> float:
         """The intercept that makes the mean click probability ``target_ctr`` (bisection)."""
@@ -248,7 +252,8 @@ class SyntheticDataset:
         """The teacher's ``P(label = 1)`` of rows ``indices`` of this split (for tests)."""
         rows = np.asarray(indices, dtype=np.int64) + self.row_offset
         _, logits = self._generate(rows)
-        return 1.0 / (1.0 + np.exp(-logits))
+        p: np.ndarray = 1.0 / (1.0 + np.exp(-logits))
+        return p
 
     def read(self, indices: np.ndarray) -> Batch:
         """The batch of rows ``indices`` (in that order) of this split.

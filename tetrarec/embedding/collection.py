@@ -106,8 +106,12 @@ class EmbeddingBagCollection(nn.Module):
 
     def table_weights(self) -> dict[str, torch.Tensor]:
         """``{table name: (rows, dim) weight}``, the layout checkpoints use."""
-        return {t.name: self.embedding_bags[t.name].weight for t in self.tables}
+        return {t.name: self._weight(t.name) for t in self.tables}
 
     def sparse_parameters(self) -> list[nn.Parameter]:
         """The parameters that receive sparse gradients (one per table)."""
-        return [self.embedding_bags[t.name].weight for t in self.tables]
+        return [self._weight(t.name) for t in self.tables]
+
+    def _weight(self, table: str) -> nn.Parameter:
+        # Table names hold no ".": nn.ModuleDict refuses such keys.
+        return self.embedding_bags.get_parameter(f"{table}.weight")

@@ -83,6 +83,7 @@ def _compile() -> ModuleType:
         verbose=False,
     )
     logger.info("tetrarec CPU kernels ready in %.1f s", time.perf_counter() - start)
+    assert isinstance(module, ModuleType)  # is_python_module=True (the default): a module
     return module
 
 

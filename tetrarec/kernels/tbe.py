@@ -53,7 +53,7 @@ class _FusedLookup(torch.autograd.Function):
     """Forward: pooled lookup. Backward: fused row updates; grads only for psw."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         module: FusedEmbeddingBagCollection,
         values: torch.Tensor,
@@ -66,7 +66,7 @@ class _FusedLookup(torch.autograd.Function):
         return module._lookup(values, lengths, psw)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         values, lengths, psw = ctx.saved_tensors
         want_psw = psw is not None and ctx.needs_input_grad[3]
         psw_grad = ctx.module._update(grad_out, values, lengths, psw, want_psw)
@@ -149,7 +149,9 @@ class FusedEmbeddingBagCollection(nn.Module):
     # -- layout helpers -----------------------------------------------------------------
 
     def _storage(self, s: int) -> torch.Tensor:
-        return getattr(self, f"_weights_{s}")
+        weights = getattr(self, f"_weights_{s}")
+        assert isinstance(weights, torch.Tensor)  # registered as a buffer in __init__
+        return weights
 
     def _states(self, s: int) -> list[torch.Tensor]:
         return [getattr(self, f"_state_{s}_{k}") for k in range(len(self._stores[s].state_names))]
@@ -209,7 +211,7 @@ class FusedEmbeddingBagCollection(nn.Module):
             features = permute_keys(features, self.feature_names)
         if features.weights is not None and self._has_mean:
             raise ValueError("per-id weights are supported with sum pooling only")
-        out = _FusedLookup.apply(
+        out = _FusedLookup.apply(  # type: ignore[no-untyped-call]  # torch leaves apply unannotated
             self, features.values, features.lengths, features.weights, self._anchor
         )
         return PooledEmbeddings(self.feature_names, self.feature_dims, out)

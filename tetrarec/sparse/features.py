@@ -20,7 +20,7 @@ consumer ever syncs to learn B.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -234,16 +234,20 @@ class SparseFeatures:
             self.weights.record_stream(stream)
 
 
-def _flatten(sf: SparseFeatures) -> tuple[list[torch.Tensor | None], tuple[object, ...]]:
+# The static (non-tensor) part of a flattened SparseFeatures: keys, batch_size, value_counts.
+_Context = tuple[tuple[str, ...], int, tuple[int, ...] | None]
+
+
+def _flatten(sf: SparseFeatures) -> tuple[list[torch.Tensor | None], _Context]:
     return [sf.values, sf.lengths, sf.weights], (sf.keys, sf.batch_size, sf.value_counts)
 
 
-def _unflatten(children: list[torch.Tensor | None], ctx: tuple[object, ...]) -> SparseFeatures:
+def _unflatten(children: Iterable[torch.Tensor | None], ctx: _Context) -> SparseFeatures:
     keys, batch_size, counts = ctx
     values, lengths, weights = children
     assert values is not None
     assert lengths is not None
-    return SparseFeatures(keys, values, lengths, batch_size, weights, counts)  # type: ignore[arg-type]
+    return SparseFeatures(keys, values, lengths, batch_size, weights, counts)
 
 
-pytree.register_pytree_node(SparseFeatures, _flatten, _unflatten)  # type: ignore[arg-type]
+pytree.register_pytree_node(SparseFeatures, _flatten, _unflatten)

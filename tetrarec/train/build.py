@@ -9,17 +9,27 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from tetrarec.config import EmbeddingKind, ModelConfig, RunConfig
 from tetrarec.embedding import EmbeddingBagCollection, SparseOptimizerSpec, TableConfig
-from tetrarec.models import DLRM, build_model
+from tetrarec.models import DLRM, EmbeddingModule, build_model
 from tetrarec.train.optim import build_dense_optimizer, build_sparse_optimizer
 from tetrarec.types import Precision
 
-__all__ = ["EMBEDDINGS", "RunParts", "build_embeddings", "build_parts", "build_tables"]
+__all__ = [
+    "EMBEDDINGS",
+    "FusedEmbeddings",
+    "RunParts",
+    "SparseGradientEmbeddings",
+    "build_embeddings",
+    "build_parts",
+    "build_tables",
+    "model_embeddings",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +81,38 @@ def build_embeddings(config: RunConfig, tables: tuple[TableConfig, ...]) -> nn.M
     return EMBEDDINGS[config.model.embedding](tables, config.optim.sparse, config.train.seed)
 
 
+# The embedding module is an nn.Module attribute of the model, so its static type says
+# nothing of the protocol; training narrows it with isinstance on these protocols.
+@runtime_checkable
+class FusedEmbeddings(EmbeddingModule, Protocol):
+    """An embedding module that applies its sparse optimizer in its own backward."""
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Set the learning rate of the next backward passes."""
+
+
+@runtime_checkable
+class SparseGradientEmbeddings(EmbeddingModule, Protocol):
+    """An embedding module that names its sparse-gradient parameters (none if fused)."""
+
+    def sparse_parameters(self) -> list[nn.Parameter]:
+        """Return the parameters a separate sparse optimizer updates."""
+
+
+def model_embeddings(model: DLRM) -> EmbeddingModule:
+    """Return ``model.embeddings``, typed by the embedding protocol.
+
+    Raises:
+        TypeError: if the module lacks a member of ``EmbeddingModule``.
+    """
+    embeddings = model.get_submodule("embeddings")
+    if not isinstance(embeddings, EmbeddingModule):
+        raise TypeError(
+            f"{type(embeddings).__name__} does not follow tetrarec.models.EmbeddingModule"
+        )
+    return embeddings
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunParts:
     """What a training run trains.
@@ -87,14 +129,16 @@ class RunParts:
     sparse_optimizer: torch.optim.Optimizer | None
 
     def backward_and_step(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss`` and step both optimizers (a fused embedding module
-        updates its rows during the backward pass itself)."""
+        """Backpropagate ``loss`` and step both optimizers.
+
+        A fused embedding module updates its rows during the backward pass itself.
+        """
         optimizers = [self.dense_optimizer]
         if self.sparse_optimizer is not None:
             optimizers.append(self.sparse_optimizer)
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
-        loss.backward()
+        torch.autograd.backward(loss)  # loss.backward(), which torch leaves unannotated
         for opt in optimizers:
             opt.step()
 
@@ -120,6 +164,11 @@ def build_parts(config: RunConfig, *, num_dense: int) -> RunParts:
     dense_opt = build_dense_optimizer(config.optim, list(model.dense_parameters()))
     sparse_opt = None
     if not getattr(embeddings, "fused_optimizer", False):
-        sparse_params = list(embeddings.sparse_parameters())  # type: ignore[operator]  # protocol
+        if not isinstance(embeddings, SparseGradientEmbeddings):
+            raise TypeError(
+                f"{type(embeddings).__name__} applies no fused optimizer and has no "
+                "sparse_parameters() for a separate one"
+            )
+        sparse_params = list(embeddings.sparse_parameters())
         sparse_opt = build_sparse_optimizer(config.optim.sparse, sparse_params)
     return RunParts(model=model, dense_optimizer=dense_opt, sparse_optimizer=sparse_opt)

@@ -35,7 +35,13 @@ from tqdm import tqdm
 from tetrarec.config import RunConfig, TrainConfig
 from tetrarec.data import BatchLoader, build_datasets
 from tetrarec.sparse import Batch
-from tetrarec.train.build import RunParts, build_parts, build_tables
+from tetrarec.train.build import (
+    FusedEmbeddings,
+    RunParts,
+    build_parts,
+    build_tables,
+    model_embeddings,
+)
 from tetrarec.train.checkpoint import latest_checkpoint
 from tetrarec.train.evaluate import evaluate
 from tetrarec.train.metrics import Metrics
@@ -163,7 +169,7 @@ class _Run:
         torch.manual_seed(config.train.seed)
         self.train_ds, self.eval_ds = build_datasets(config.data, build_tables(config.model))
         self.parts: RunParts = build_parts(config, num_dense=self.train_ds.num_dense)
-        names = tuple(self.parts.model.embeddings.feature_names)
+        names = tuple(model_embeddings(self.parts.model).feature_names)
         if tuple(self.train_ds.keys) != names:
             raise ValueError(
                 f"the data's features {self.train_ds.keys} differ from the model's {names}"
@@ -248,7 +254,10 @@ class _Run:
         if parts.sparse_optimizer is not None:
             set_learning_rate(parts.sparse_optimizer, optim.sparse.lr * scale)
         else:
-            parts.model.embeddings.set_learning_rate(optim.sparse.lr * scale)  # type: ignore[operator]  # fused protocol
+            embeddings = parts.model.embeddings
+            # build_parts leaves out the sparse optimizer only for a fused module.
+            assert isinstance(embeddings, FusedEmbeddings)
+            embeddings.set_learning_rate(optim.sparse.lr * scale)
         logits = parts.model(batch.dense, batch.sparse)  # (B,)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
         value = float(loss.detach())

@@ -1,12 +1,12 @@
-"""Learning-rate schedule: linear warm-up, then optional linear or cosine decay.
+r"""Learning-rate schedule: linear warm-up, then optional linear or cosine decay.
 
 The schedule is a pure function of the step, so a resumed run recomputes it exactly::
 
     scale
     1.0 |      ________
-        |     /        \\__            warmup_steps = 4, decay_start = 8,
-        |    /             \\__         decay_steps = 8, min_lr_scale = 0.25
-   0.25 |   /                  \\______
+        |     /        \__            warmup_steps = 4, decay_start = 8,
+        |    /             \__         decay_steps = 8, min_lr_scale = 0.25
+   0.25 |   /                  \______
         +---+---+-------+-------+------ step
             0   4       8       16
 

@@ -110,7 +110,7 @@ def _load_model(data: CheckpointData, model: torch.nn.Module, path: str | Path) 
     emb = _strip(data.tensors, "embedding.")
     try:
         result = model.load_state_dict(dense, strict=False)
-        model.embeddings.load_state_dict(emb)  # type: ignore[operator]  # nn.Module attr
+        model.get_submodule("embeddings").load_state_dict(emb)
     except RuntimeError as e:  # torch reports size mismatches and missing keys so
         raise ValueError(f"{path}: checkpoint does not fit the model: {e}") from e
     missing = [k for k in result.missing_keys if not k.startswith(_EMB)]
