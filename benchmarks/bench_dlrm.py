@@ -102,12 +102,42 @@ def build_embeddings(args: argparse.Namespace) -> Any:
     return emb
 
 
+def dense_variant(variant: str) -> tuple[str, str]:
+    """``(dense precision, bf16 matmul)`` of a ``--dense-dtype`` entry.
+
+    ``fp32``; ``bf16`` (BF16 products, native where this CPU has BF16 units, else
+    emulated on FP32 kernels); ``bf16-native`` (torch.autocast); ``bf16-emulated``.
+    """
+    precision, _, matmul = variant.partition("-")
+    if precision not in ("fp32", "bf16") or (matmul and precision == "fp32"):
+        raise SystemExit(
+            f"bad --dense-dtype entry {variant!r}: fp32, bf16, bf16-native, bf16-emulated"
+        )
+    return precision, matmul or "auto"
+
+
+def bf16_matmul_used(variant: str) -> str:
+    """What a variant's BF16 products ran as on this machine ("" for FP32)."""
+    from tetrarec.models.precision import has_native_bf16
+
+    precision, matmul = dense_variant(variant)
+    if precision == "fp32":
+        return ""
+    if matmul == "auto":
+        return "native" if has_native_bf16("cpu") else "emulated"
+    return matmul
+
+
 def build_tetrarec(
     args: argparse.Namespace, dense_dtype: str, emb: Any = None
 ) -> tuple[Any, Any, Any]:
-    """Our model (around ``emb`` if given); returns (model, dense opt, sparse opt or None)."""
+    """Our model (around ``emb`` if given); returns (model, dense opt, sparse opt or None).
+
+    ``dense_dtype`` is a ``--dense-dtype`` entry (see ``dense_variant``).
+    """
     from tetrarec.models import DLRMConfig, build_model
 
+    precision, matmul = dense_variant(dense_dtype)
     emb = build_embeddings(args) if emb is None else emb
     s = model_sizes(args)
     cfg = DLRMConfig(
@@ -118,7 +148,8 @@ def build_tetrarec(
         interaction_impl=args.interaction,
         dcn_layers=3,
         dcn_low_rank=s["rank"],
-        dense_precision=dense_dtype,
+        dense_precision=precision,
+        bf16_matmul=matmul,
         seed=args.seed,
     )
     model = build_model(cfg, emb)
@@ -350,6 +381,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "impl": impl,
                 "model": args.model,
                 "dense_dtype": variant,
+                "bf16_matmul": bf16_matmul_used(variant),
                 "embedding": args.embedding if impl == "tetrarec" else "torchrec-fused",
                 "pooling": args.pooling,
                 "median_ms": t.median * 1e3,
@@ -370,14 +402,41 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def auc_check(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Train FP32 and BF16 dense paths from one seed on the same synthetic batches;
-    compare their eval AUC (the target: within 0.001)."""
+    """Train the FP32 and the BF16 dense paths from one seed on the same synthetic
+    batches; compare their eval AUC (the target: within 0.001). One check per seed of
+    ``--auc-seeds``; the BF16 variants are the non-FP32 entries of ``--dense-dtype``
+    (default ``bf16``)."""
+    torch.set_num_threads(args.threads)
+    variants = [v for v in args.dense_dtype.split(",") if dense_variant(v)[0] != "fp32"]
+    # The last run is a control: FP32 again, with the reference interaction (the same
+    # math, other rounding). Its AUC gap to the first run is the noise floor of the check.
+    runs = [("fp32", "fast")] + [(v, "fast") for v in variants or ["bf16"]]
+    runs.append(("fp32", "reference"))
+    results = []
+    for seed in (int(s) for s in args.auc_seeds.split(",")):
+        results += _auc_runs(argparse.Namespace(**{**vars(args), "seed": seed}), runs)
+    cols = ["impl", "model", "seed", "dense_dtype", "bf16_matmul", "interaction", "steps"]
+    print_table(results, [*cols, "auc", "log_loss", "auc_diff_vs_fp32"])
+    for r in results:
+        if r["dense_dtype"] != "fp32" or r["interaction"] == "reference":
+            verdict = "PASS" if r["auc_diff_vs_fp32"] <= 0.001 else "FAIL"
+            what = r["dense_dtype"] if r["dense_dtype"] != "fp32" else "FP32 control"
+            print(
+                f"seed {r['seed']}: {what} eval AUC {r['auc']:.5f} vs FP32 "
+                f"{r['fp32_auc']:.5f}: differs by "
+                f"{r['auc_diff_vs_fp32']:.5f}"
+                + (f" (target <= 0.001): {verdict}" if r["dense_dtype"] != "fp32" else "")
+            )
+    return results
+
+
+def _auc_runs(args: argparse.Namespace, runs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """Train each ``(dense variant, interaction)`` of ``runs`` from ``args.seed``."""
     from tetrarec.data.config import SyntheticConfig
     from tetrarec.data.synthetic import SyntheticDataset
     from tetrarec.embedding import TableConfig
     from tetrarec.train.metrics import compute_metrics
 
-    torch.set_num_threads(args.threads)
     tables = [
         TableConfig(name=f"t{i}", num_embeddings=args.rows, dim=args.dim)
         for i in range(args.tables)
@@ -402,12 +461,9 @@ def auc_check(args: argparse.Namespace) -> list[dict[str, Any]]:
     ]
     eval_batch = held_out.read(np.arange(args.auc_eval))
     results = []
-    # The third run is a control: FP32 again, with the reference interaction (the same
-    # math, other rounding). Its AUC gap to the first run is the noise floor of the check.
-    runs = [("fp32", "fast"), ("bf16", "fast"), ("fp32", "reference")]
-    for dtype, interaction in runs:
+    for variant, interaction in runs:
         run_args = argparse.Namespace(**{**vars(args), "interaction": interaction})
-        model, dense_opt, sparse_opt = build_tetrarec(run_args, dtype)
+        model, dense_opt, sparse_opt = build_tetrarec(run_args, variant)
         step = train_step(model, [dense_opt] + ([sparse_opt] if sparse_opt else []), batches)
         for _ in batches:
             step()
@@ -417,7 +473,9 @@ def auc_check(args: argparse.Namespace) -> list[dict[str, Any]]:
             {
                 "impl": "tetrarec",
                 "model": args.model,
-                "dense_dtype": dtype,
+                "seed": args.seed,
+                "dense_dtype": variant,
+                "bf16_matmul": bf16_matmul_used(variant),
                 "interaction": interaction,
                 "auc": m.auc,
                 "log_loss": m.log_loss,
@@ -425,16 +483,9 @@ def auc_check(args: argparse.Namespace) -> list[dict[str, Any]]:
             }
         )
         del model, dense_opt, sparse_opt
-    diff = abs(results[1]["auc"] - results[0]["auc"])
     for r in results:
-        r["auc_diff_vs_fp32"] = abs(r["auc"] - results[0]["auc"])
-    cols = ["impl", "model", "dense_dtype", "interaction", "steps", "auc", "log_loss"]
-    print_table(results, [*cols, "auc_diff_vs_fp32"])
-    print(
-        f"BF16 eval AUC differs from FP32 by {diff:.5f} (target <= 0.001): "
-        f"{'PASS' if diff <= 0.001 else 'FAIL'}; FP32 rounding-order control differs by "
-        f"{results[2]['auc_diff_vs_fp32']:.5f}"
-    )
+        r["fp32_auc"] = results[0]["auc"]
+        r["auc_diff_vs_fp32"] = abs(r["auc"] - r["fp32_auc"])
     return results
 
 
@@ -452,7 +503,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--precision", default="fp32", help="tetrarec table rows: fp32|fp16|bf16|int8|int4"
     )
-    p.add_argument("--dense-dtype", default="fp32", help="fp32, bf16 or a list: fp32,bf16")
+    p.add_argument(
+        "--dense-dtype",
+        default="fp32",
+        help="a list of fp32, bf16 (native BF16 products where the CPU has them, else "
+        "emulated), bf16-native, bf16-emulated; e.g. fp32,bf16",
+    )
     p.add_argument("--embedding", choices=["fused", "reference"], default="fused")
     p.add_argument("--interaction", choices=["fast", "reference"], default="fast")
     p.add_argument("--impl", choices=["all", "tetrarec", "torchrec"], default="all")
@@ -465,6 +521,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--auc-check", action="store_true", help="FP32 vs BF16 eval AUC")
     p.add_argument("--auc-steps", type=int, default=300, help="training steps per run")
     p.add_argument("--auc-eval", type=int, default=100_000, help="held-out samples")
+    p.add_argument("--auc-seeds", default="0", help="seeds of the AUC check, e.g. 0,1,2")
     p.add_argument("--lr", type=float, default=0.01, help="dense and sparse Adagrad lr")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, a few steps")
     p.add_argument("--json", default=None)
@@ -488,7 +545,8 @@ def main(argv: list[str] | None = None) -> None:
         serve(args)
         return
     results = run_all(args)
-    cols = ["impl", "model", "dense_dtype", "embedding", "pooling", "median_ms", "p90_ms"]
+    cols = ["impl", "model", "dense_dtype", "bf16_matmul", "embedding", "pooling", "median_ms"]
+    cols += ["p90_ms"]
     cols += ["min_ms", "samples_per_s", "peak_rss_gib"]
     print_table(results, cols + (["vs_torchrec_fp32"] if "vs_torchrec_fp32" in results[0] else []))
     config = {k: v for k, v in vars(args).items() if k not in ("json", "serve")}

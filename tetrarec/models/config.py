@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tetrarec.models.precision import BF16Matmul
 from tetrarec.types import NamedEnum, Precision
 
 __all__ = ["DLRMConfig", "InteractionImpl", "ModelArch"]
@@ -57,7 +58,11 @@ class DLRMConfig:
         dcn_layers: number of low-rank cross layers (DCN only).
         dcn_low_rank: rank of each cross layer's ``W V`` factorization (DCN only).
         dense_precision: compute precision of the dense path: ``fp32`` or ``bf16``
-            (autocast; weights and optimizer state stay FP32).
+            (BF16 products; weights and optimizer state stay FP32).
+        bf16_matmul: how BF16 products run: ``native`` (``torch.autocast``),
+            ``emulated`` (BF16-rounded operands and results on FP32 kernels) or
+            ``auto``: native where the device has BF16 units, else emulated (see
+            ``tetrarec.models.precision``). Ignored for FP32.
         seed: seed of the dense layers' initialization; ``None`` uses the global RNG.
 
     Raises:
@@ -73,6 +78,7 @@ class DLRMConfig:
     dcn_layers: int = 3
     dcn_low_rank: int = 512
     dense_precision: Precision = Precision.FP32
+    bf16_matmul: BF16Matmul = BF16Matmul.AUTO
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -81,6 +87,7 @@ class DLRMConfig:
         object.__setattr__(self, "arch", ModelArch.parse(self.arch))
         object.__setattr__(self, "interaction_impl", InteractionImpl.parse(self.interaction_impl))
         object.__setattr__(self, "dense_precision", Precision.parse(self.dense_precision))
+        object.__setattr__(self, "bf16_matmul", BF16Matmul.parse(self.bf16_matmul))
         if self.num_dense <= 0:
             raise ValueError(f"num_dense must be positive, got {self.num_dense}")
         for name, sizes in (("bottom_mlp", self.bottom_mlp), ("top_mlp", self.top_mlp)):
@@ -106,8 +113,10 @@ class DLRMConfig:
 
     @classmethod
     def dcn_v2(cls, **overrides: object) -> DLRMConfig:
-        """MLPerf DLRM-DCNv2 sizes: bottom 512-256-128, 3 cross layers of rank 512,
-        top 1024-1024-512-256-1 (embedding dim 128). ``overrides`` replace fields.
+        """Return MLPerf DLRM-DCNv2 sizes, with ``overrides`` replacing fields.
+
+        Bottom MLP 512-256-128, 3 cross layers of rank 512, top MLP 1024-1024-512-256-1
+        (embedding dim 128).
         """
         fields: dict[str, object] = {
             "bottom_mlp": (512, 256, 128),

@@ -19,8 +19,9 @@ Each layer is one ``linear`` without bias, one with the bias folded in, and one
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F  # the usual torch alias
 from torch import nn
+
+from tetrarec.models.precision import linear
 
 __all__ = ["DCNInteraction", "LowRankCrossNet"]
 
@@ -76,8 +77,8 @@ class LowRankCrossNet(nn.Module):
         """``(B, N) -> (B, N)``."""
         x = x0
         for v, w, b in zip(self.v_kernels, self.w_kernels, self.biases):
-            xv = F.linear(x, v)  # (B, r)
-            xw = F.linear(xv, w, b)  # (B, N) = W (V x) + b
+            xv = linear(x, v)  # (B, r)
+            xw = linear(xv, w, b)  # (B, N) = W (V x) + b
             x = torch.addcmul(x, x0, xw)  # (B, N) = x0 * (W V x + b) + x
         return x
 
@@ -129,7 +130,8 @@ class DCNInteraction(nn.Module):
                 f"{self.num_features * self.dim}), got {tuple(dense.shape)} and "
                 f"{tuple(embeddings.shape)}"
             )
-        # The input stays in the embeddings' precision (FP32): under a BF16 autocast only
+        # The input stays in the embeddings' precision (FP32): with a BF16 dense path only
         # the two products of each layer run in BF16, the residual sum does not.
         x0 = torch.cat((dense.to(embeddings.dtype), embeddings), dim=1)  # (B, (F+1)*D)
-        return self.crossnet(x0)
+        out: torch.Tensor = self.crossnet(x0)
+        return out

@@ -23,9 +23,11 @@
 
 The model is parallelism-free: it only calls ``embeddings(sparse)`` and reads the
 module's ``feature_names`` and ``feature_dims``. With ``dense_precision=bf16`` the
-bottom MLP, the DCN products and the top MLP run under ``torch.autocast`` in BF16 while
-the weights (and so the optimizer state) stay FP32; embeddings, the dot interaction and
-the logit layer (the top MLP's last, -> 1) stay FP32.
+matrix products of the bottom MLP, the DCN layers and the top MLP run in BF16 (natively
+under ``torch.autocast``, or emulated on FP32 kernels where the device has no BF16
+units: ``tetrarec.models.precision``) while the weights (and so the optimizer state)
+stay FP32; embeddings, the dot interaction and the logit layer (the top MLP's last,
+-> 1) stay FP32.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -43,6 +45,7 @@ from tetrarec.models.config import DLRMConfig, ModelArch
 from tetrarec.models.dcn import DCNInteraction
 from tetrarec.models.interaction import DotInteraction
 from tetrarec.models.mlp import MLP, generator_for
+from tetrarec.models.precision import BF16Matmul, dense_precision_context, has_native_bf16
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures
 from tetrarec.types import Precision
 
@@ -51,6 +54,7 @@ __all__ = ["DLRM", "INTERACTIONS", "EmbeddingModule", "build_model"]
 logger = logging.getLogger(__name__)
 
 
+@runtime_checkable
 class EmbeddingModule(Protocol):
     """What a model needs of its embedding module (reference, fused or sharded)."""
 
@@ -58,7 +62,9 @@ class EmbeddingModule(Protocol):
     feature_dims: tuple[int, ...]
     fused_optimizer: bool
 
-    def __call__(self, features: SparseFeatures) -> PooledEmbeddings: ...
+    def __call__(self, features: SparseFeatures) -> PooledEmbeddings:
+        """Pool every feature of ``features``."""
+        ...
 
 
 InteractionBuilder = Callable[[DLRMConfig, int, int, torch.Generator | None], nn.Module]
@@ -99,6 +105,7 @@ class DLRM(nn.Module):
             ``config.bottom_mlp[-1]``. It is registered as ``self.embeddings``.
 
     Raises:
+        TypeError: if ``embeddings`` does not follow ``EmbeddingModule``.
         ValueError: if the embedding dims differ from each other or from the bottom
             MLP's output.
 
@@ -113,6 +120,11 @@ class DLRM(nn.Module):
 
     def __init__(self, config: DLRMConfig, embeddings: nn.Module) -> None:
         super().__init__()
+        if not isinstance(embeddings, EmbeddingModule):
+            raise TypeError(
+                f"{type(embeddings).__name__} does not follow tetrarec.models.EmbeddingModule "
+                "(feature_names, feature_dims, fused_optimizer, called on SparseFeatures)"
+            )
         dims = tuple(embeddings.feature_dims)
         names = tuple(embeddings.feature_names)
         if not dims or len(set(dims)) != 1 or dims[0] != config.embedding_dim:
@@ -120,11 +132,15 @@ class DLRM(nn.Module):
                 f"every embedding dim must equal the bottom MLP's output "
                 f"{config.embedding_dim}; got dims {dict(zip(names, dims))}"
             )
-        if config.dense_precision is Precision.BF16 and not _cpu_has_native_bf16():
+        if (
+            config.dense_precision is Precision.BF16
+            and config.bf16_matmul is BF16Matmul.NATIVE
+            and not has_native_bf16("cpu")
+        ):
             logger.warning(
-                "dense_precision=bf16 on a CPU without native BF16 matmuls (no AVX-512 BF16 "
-                "or AMX): the dense path will run several times slower than FP32 here "
-                "(it measured ~8x slower per matmul on an AVX2-only CPU)"
+                "dense_precision=bf16 with bf16_matmul=native on a CPU without BF16 units "
+                "(no AVX-512 BF16 or AMX): its BF16 products run ~8x slower than FP32 here; "
+                "bf16_matmul=auto emulates them at about FP32 speed, with the same numerics"
             )
         self.config = config
         self.num_features = len(names)
@@ -136,8 +152,11 @@ class DLRM(nn.Module):
         self.inter_arch = INTERACTIONS[config.arch](
             config, self.num_features, config.embedding_dim, gen
         )
+        inter_out = self.inter_arch.out_features
+        if not isinstance(inter_out, int):
+            raise TypeError(f"interaction {config.arch.value!r} must set an int out_features")
         self.over_arch = MLP(
-            self.inter_arch.out_features,
+            inter_out,
             config.top_mlp,
             final_activation=False,
             fp32_last_layer=True,
@@ -162,7 +181,8 @@ class DLRM(nn.Module):
             z = self.inter_arch(x, pooled.values)  # (B, out_features)
         with record_function("tetrarec/over_arch"), self._autocast(dense):
             logits = self.over_arch(z)  # (B, 1)
-        return logits.squeeze(1).float()  # (B,)
+        out: torch.Tensor = logits.squeeze(1).float()  # (B,)
+        return out
 
     def dense_parameters(self) -> Iterator[nn.Parameter]:
         """Every parameter outside the embedding module (what a dense optimizer updates)."""
@@ -170,18 +190,10 @@ class DLRM(nn.Module):
             if not name.startswith("embeddings."):
                 yield p
 
-    def _autocast(self, like: torch.Tensor) -> contextlib.AbstractContextManager[None]:
-        if self.config.dense_precision is Precision.FP32:
-            return contextlib.nullcontext()
-        return torch.autocast(like.device.type, dtype=self.config.dense_precision.torch_dtype)
-
-
-def _cpu_has_native_bf16() -> bool:
-    """Whether oneDNN reports native BF16 support on this CPU (True when unknown)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return True
+    def _autocast(self, like: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+        return dense_precision_context(
+            self.config.dense_precision, self.config.bf16_matmul, like.device.type
+        )
 
 
 def build_model(config: DLRMConfig, embeddings: nn.Module) -> DLRM:

@@ -70,7 +70,7 @@ class _DotInteraction(torch.autograd.Function):
     """Forward into one buffer; backward ``dC = (G + G^T) C`` (one bmm)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]  # autograd.Function's untyped signature
+    def forward(
         ctx: Any,
         dense: torch.Tensor,
         embeddings: torch.Tensor,
@@ -91,7 +91,7 @@ class _DotInteraction(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(  # type: ignore[override]  # autograd.Function's untyped signature
+    def backward(
         ctx: Any, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         combined, sym_gather = ctx.saved_tensors
@@ -120,6 +120,9 @@ class DotInteraction(nn.Module):
         >>> inter(torch.ones(4, 3), torch.ones(4, 6)).shape
         torch.Size([4, 6])
     """
+
+    flat_pairs: torch.Tensor  # buffers (registered in __init__), typed for the checker
+    sym_gather: torch.Tensor
 
     def __init__(
         self, *, num_features: int, dim: int, impl: InteractionImpl = InteractionImpl.FAST
@@ -162,7 +165,7 @@ class DotInteraction(nn.Module):
 def _dot_fast(
     dense: torch.Tensor, embeddings: torch.Tensor, pairs: torch.Tensor, sym_gather: torch.Tensor
 ) -> torch.Tensor:
-    out: torch.Tensor = _DotInteraction.apply(dense, embeddings, pairs, sym_gather)
+    out: torch.Tensor = _DotInteraction.apply(dense, embeddings, pairs, sym_gather)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
     return out
 
 

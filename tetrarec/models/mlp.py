@@ -5,10 +5,13 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F  # the usual torch alias
 from torch import nn
+
+from tetrarec.models.precision import linear
 
 __all__ = ["MLP", "generator_for"]
 
@@ -30,7 +33,7 @@ class MLP(nn.Module):
         sizes: output width of each layer.
         final_activation: apply ReLU after the last layer too (bottom MLP: yes,
             top MLP: no, it returns logits).
-        fp32_last_layer: run the last layer in FP32 even under a BF16/FP16 autocast.
+        fp32_last_layer: run the last layer in FP32 even when the dense path runs in BF16.
             The top MLP sets it: a BF16 logit keeps 8 significant bits, which ties the
             ranking of close scores and moves AUC; the last layer (-> 1) costs nothing.
         generator: RNG for the initialization; ``None`` uses the global RNG.
@@ -58,20 +61,27 @@ class MLP(nn.Module):
         widths = (in_features, *sizes)
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(widths))
         with torch.no_grad():
-            for layer in self.layers:
+            for layer in self.linears:
                 fan_out, fan_in = layer.weight.shape
                 layer.weight.normal_(0.0, math.sqrt(2.0 / (fan_in + fan_out)), generator=generator)
                 layer.bias.normal_(0.0, math.sqrt(1.0 / fan_out), generator=generator)
 
+    @property
+    def linears(self) -> list[nn.Linear]:
+        """The layers, in order."""
+        return cast("list[nn.Linear]", list(self.layers))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, in_features) -> (B, out_features)``."""
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
+        layers = self.linears
+        last = len(layers) - 1
+        for i, layer in enumerate(layers):
             if i == last and self.fp32_last_layer:
                 with torch.autocast(x.device.type, enabled=False):
                     x = F.linear(x.float(), layer.weight, layer.bias)
             else:
-                x = F.linear(x, layer.weight, layer.bias)
+                # tetrarec's linear: F.linear, or its BF16 emulation (models.precision)
+                x = linear(x, layer.weight, layer.bias)
             if i < last or self.final_activation:
                 # In place: the linear's backward never reads its output, ReLU's reads
                 # only its own output, so no extra (B, out) buffer is needed.

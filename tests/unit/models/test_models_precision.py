@@ -1,0 +1,155 @@
+"""BF16 dense path: the emulation on FP32 kernels against native autocast and formulas."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import tetrarec.models.precision as precision
+from tetrarec.embedding import EmbeddingBagCollection, TableConfig
+from tetrarec.models import DLRM, MLP, DLRMConfig
+from tetrarec.models.precision import BF16Matmul, emulated_bf16, linear, round_to_bf16
+from tetrarec.sparse import SparseFeatures
+from tetrarec.types import Precision
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_precision_round_to_bf16_is_nearest_even_and_idempotent() -> None:
+    x = torch.tensor([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 1.0 + 2.0**-9, -3.0e-3])
+    r = round_to_bf16(x)
+    # 1 + 2^-8 is the tie between 1 and 1 + 2^-7: to even (1). 1 + 3*2^-8: up to 1 + 2^-6.
+    assert r[0] == 1.0
+    assert r[1] == 1.0 + 2.0**-6
+    assert r[2] == 1.0
+    assert r.dtype == torch.float32
+    assert torch.equal(round_to_bf16(r), r)
+
+
+def test_precision_emulated_linear_equals_its_formula() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 24, generator=gen, requires_grad=True)
+    w = torch.randn(16, 24, generator=gen, requires_grad=True)
+    b = torch.randn(16, generator=gen, requires_grad=True)
+    g = torch.randn(32, 16, generator=gen)
+    with emulated_bf16():
+        y = linear(x, w, b)
+    y.backward(g)
+    r = round_to_bf16
+    xb, wb, gb = r(x.detach()), r(w.detach()), r(g)
+    assert torch.equal(y, r(torch.addmm(r(b.detach()), xb, wb.t())))
+    assert torch.equal(y, r(y))  # every output is a BF16 value
+    assert x.grad is not None and w.grad is not None and b.grad is not None
+    assert torch.equal(x.grad, r(gb @ wb))
+    assert torch.equal(w.grad, r(gb.t() @ xb))
+    assert torch.equal(b.grad, r(gb.sum(0)))
+
+
+def test_precision_linear_outside_emulation_is_plain_fp32() -> None:
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(8, 5, generator=gen), torch.randn(3, 5, generator=gen)
+    assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))
+    with emulated_bf16(), emulated_bf16(enabled=False):
+        assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))
+
+
+def test_precision_emulated_mlp_matches_native_autocast_far_closer_than_fp32() -> None:
+    gen = torch.Generator().manual_seed(2)
+    mlp = MLP(96, (128, 64, 1), final_activation=False, fp32_last_layer=True, generator=gen)
+    x = torch.randn(256, 96, generator=gen)
+
+    def run(ctx: object) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        xx = x.clone().requires_grad_()
+        mlp.zero_grad()
+        with ctx:  # type: ignore[attr-defined]
+            y = mlp(xx).float()
+        y.sum().backward()
+        assert xx.grad is not None
+        return y.detach(), xx.grad, [p.grad.clone() for p in mlp.parameters() if p.grad is not None]
+
+    y_nat, gx_nat, gp_nat = run(torch.autocast("cpu", dtype=torch.bfloat16))
+    y_emu, gx_emu, gp_emu = run(emulated_bf16())
+    y_32, gx_32, _ = run(torch.enable_grad())
+    # Native and emulated differ only in the order of FP32 sums (and the rare rounding it
+    # flips); FP32 differs from both by BF16's rounding of every operand.
+    assert _rel(y_emu, y_nat) < 1e-3 < _rel(y_32, y_nat)
+    assert _rel(gx_emu, gx_nat) < 1e-3 < _rel(gx_32, gx_nat)
+    for a, b in zip(gp_emu, gp_nat, strict=True):
+        assert _rel(a, b) < 2e-3
+
+
+def test_precision_emulation_is_per_thread_and_restored_after_errors() -> None:
+    seen: list[bool] = []
+    with emulated_bf16():
+        t = threading.Thread(target=lambda: seen.append(precision.bf16_emulation_active()))
+        t.start()
+        t.join()
+        assert precision.bf16_emulation_active()
+    assert seen == [False]
+    with pytest.raises(RuntimeError), emulated_bf16():
+        raise RuntimeError("boom")
+    assert not precision.bf16_emulation_active()
+
+
+@pytest.mark.parametrize(
+    ("matmul", "native", "expect"),
+    [
+        ("native", False, "autocast"),
+        ("emulated", True, "emulated"),
+        ("auto", True, "autocast"),
+        ("auto", False, "emulated"),
+    ],
+)
+def test_precision_context_resolves_native_or_emulated(
+    monkeypatch: pytest.MonkeyPatch, matmul: str, native: bool, expect: str
+) -> None:
+    monkeypatch.setattr(precision, "has_native_bf16", lambda _device: native)
+    ctx = precision.dense_precision_context(Precision.BF16, BF16Matmul.parse(matmul), "cpu")
+    with ctx:
+        autocast = torch.is_autocast_enabled("cpu")
+        emulated = precision.bf16_emulation_active()
+    assert (autocast, emulated) == (expect == "autocast", expect == "emulated")
+    with precision.dense_precision_context(Precision.FP32, BF16Matmul.EMULATED, "cpu"):
+        assert not torch.is_autocast_enabled("cpu")
+        assert not precision.bf16_emulation_active()
+
+
+@pytest.mark.parametrize("arch", ["dlrm", "dcn"])
+def test_precision_emulated_dlrm_tracks_native_bf16(arch: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    tables = [TableConfig(name=f"t{i}", num_embeddings=40, dim=8) for i in range(3)]
+    lengths = torch.randint(0, 4, (3 * 32,), generator=gen)
+    values = torch.randint(0, 40, (int(lengths.sum()),), generator=gen)
+    sparse = SparseFeatures.from_lengths(("t0", "t1", "t2"), values, lengths)
+    dense = torch.randn(32, 5, generator=gen)
+
+    def model(matmul: str) -> DLRM:
+        cfg = DLRMConfig(
+            num_dense=5,
+            bottom_mlp=(16, 8),
+            top_mlp=(16, 1),
+            arch=arch,
+            dcn_layers=2,
+            dcn_low_rank=4,
+            dense_precision="bf16",
+            bf16_matmul=matmul,
+            seed=0,
+        )
+        return DLRM(cfg, EmbeddingBagCollection(tables, seed=0))
+
+    native, emulated = model("native"), model("emulated")
+    out_nat, out_emu = native(dense, sparse), emulated(dense, sparse)
+    assert out_emu.dtype == torch.float32
+    torch.testing.assert_close(out_emu, out_nat, rtol=2e-3, atol=2e-3)
+    out_emu.sum().backward()
+    grads = [p.grad for p in emulated.parameters()]
+    assert all(g is not None and g.dtype == torch.float32 for g in grads)
+
+
+def test_precision_bad_bf16_matmul_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="bf16 matmul"):
+        DLRMConfig(bf16_matmul="fast")
