@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -50,6 +51,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--impls", default="tetrarec,torch,fbgemm", help="which to run")
     p.add_argument("--nondeterministic", action="store_true", help="also time deterministic=False")
+    p.add_argument(
+        "--small-pages",
+        action="store_true",
+        help="also time tetrarec with 4 KiB pages only (TETRAREC_HUGE_PAGES=0)",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny sizes, for the smoke test")
     p.add_argument("--json", default=None, help="write results to this path")
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
@@ -197,8 +203,15 @@ def run_phase(args: argparse.Namespace) -> dict[str, Any]:
     batches = zipf_batches(args, pooling)
     t0 = time.perf_counter()
     if impl.startswith("tetrarec-"):
-        _, precision, *rest = impl.split("-")
-        step, storage = setup_tetrarec(args, precision, batches, det=not rest)
+        _, precision, *flags = impl.split("-")
+        before = os.environ.get("TETRAREC_HUGE_PAGES")
+        if "smallpages" in flags:  # read when the tables are allocated, just below
+            os.environ["TETRAREC_HUGE_PAGES"] = "0"
+        step, storage = setup_tetrarec(args, precision, batches, det="nondet" not in flags)
+        if before is None:
+            os.environ.pop("TETRAREC_HUGE_PAGES", None)
+        else:
+            os.environ["TETRAREC_HUGE_PAGES"] = before
     elif impl == "torch-embeddingbag":
         step, storage = setup_torch(args, batches)
     else:
@@ -240,6 +253,8 @@ def impl_names(args: argparse.Namespace) -> list[str]:
             names.append(f"tetrarec-{p}")
             if args.nondeterministic:
                 names.append(f"tetrarec-{p}-nondet")
+            if args.small_pages:
+                names.append(f"tetrarec-{p}-smallpages")
     return names
 
 

@@ -38,6 +38,7 @@ from torch import nn
 from tetrarec.embedding import SparseOptimizerSpec, TableConfig, feature_order
 from tetrarec.kernels import ops
 from tetrarec.kernels.layout import plan_stores
+from tetrarec.kernels.memory import host_buffer
 from tetrarec.kernels.quant import decode_rows, encode_rows, row_width
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures, permute_keys
 from tetrarec.types import PoolingMode
@@ -138,11 +139,11 @@ class FusedEmbeddingBagCollection(nn.Module):
         self._anchor = torch.empty(0, requires_grad=True)
         dev = torch.device(device) if device is not None else torch.device("cpu")
         for s, store in enumerate(self._stores):
-            w = torch.empty(store.numel, dtype=store.precision.torch_dtype, device=dev)
+            w = host_buffer(store.numel, store.precision.torch_dtype, dev)
             self.register_buffer(f"_weights_{s}", w, persistent=False)
             for k, n in enumerate(store.state_numel):
                 init = optimizer.initial_accumulator if store.state_names[k] == "sum" else 0.0
-                st = torch.full((n,), init, dtype=torch.float32, device=dev)
+                st = host_buffer(n, torch.float32, dev, fill=init)
                 self.register_buffer(f"_state_{s}_{k}", st, persistent=False)
         self._init_weights(seed)
 
