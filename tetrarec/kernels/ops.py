@@ -22,12 +22,15 @@ Arguments shared by both ops, for one row store (the tables of one precision)::
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import Any
+
 import torch
 
 from tetrarec.kernels import reference
 from tetrarec.kernels._build import compiled_cpu_kernels
 
-__all__ = ["tbe_backward_update", "tbe_forward"]
+__all__ = ["dot_interaction", "tbe_backward_update", "tbe_forward"]
 
 
 @torch.library.custom_op("tetrarec::tbe_forward", mutates_args=("out",))
@@ -163,3 +166,86 @@ def _tbe_backward_update_fake(
 ) -> torch.Tensor:
     n = values.numel() if per_sample_weights is not None and flags[4] else 0
     return grad_out.new_empty(n)
+
+
+# -- DLRM dot interaction ---------------------------------------------------------------
+
+
+@torch.library.custom_op("tetrarec::dot_interaction", mutates_args=())
+def dot_interaction(dense: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+    """``[dense | <C_i, C_j> for i > j]`` with rows ``C = (dense, e_0, ..., e_{F-1})``.
+
+    Args:
+        dense: ``(B, D)`` bottom-MLP output.
+        embeddings: ``(B, F*D)`` pooled embeddings, feature-major per sample.
+
+    Returns:
+        ``(B, D + F(F+1)/2)``; differentiable (``dot_interaction_backward``).
+    """
+    return reference.dot_interaction_forward(dense, embeddings)
+
+
+def _compiled_interaction(*tensors: torch.Tensor) -> ModuleType | None:
+    """The compiled kernels, if they exist and take these tensors (contiguous FP32)."""
+    if not all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
+        return None
+    return compiled_cpu_kernels()
+
+
+@dot_interaction.register_kernel("cpu")
+def _dot_interaction_cpu(dense: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+    ext = _compiled_interaction(dense, embeddings)
+    if ext is None:
+        return reference.dot_interaction_forward(dense, embeddings)
+    out: torch.Tensor = ext.dot_interaction_forward(dense, embeddings)
+    return out
+
+
+@dot_interaction.register_fake
+def _dot_interaction_fake(dense: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+    b, d = dense.shape
+    n = embeddings.shape[1] // d + 1
+    return dense.new_empty(b, d + n * (n - 1) // 2)
+
+
+@torch.library.custom_op("tetrarec::dot_interaction_backward", mutates_args=())
+def dot_interaction_backward(
+    grad_out: torch.Tensor, dense: torch.Tensor, embeddings: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad dense, grad embeddings)`` of ``dot_interaction`` for ``grad_out``."""
+    return reference.dot_interaction_backward(grad_out, dense, embeddings)
+
+
+@dot_interaction_backward.register_kernel("cpu")
+def _dot_interaction_backward_cpu(
+    grad_out: torch.Tensor, dense: torch.Tensor, embeddings: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    ext = _compiled_interaction(grad_out, dense, embeddings)
+    if ext is None:
+        return reference.dot_interaction_backward(grad_out, dense, embeddings)
+    grads: tuple[torch.Tensor, torch.Tensor] = ext.dot_interaction_backward(
+        grad_out, dense, embeddings
+    )
+    return grads
+
+
+@dot_interaction_backward.register_fake
+def _dot_interaction_backward_fake(
+    grad_out: torch.Tensor, dense: torch.Tensor, embeddings: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(dense), torch.empty_like(embeddings)
+
+
+def _dot_setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _dot_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    dense, embeddings = ctx.saved_tensors
+    grads: tuple[torch.Tensor, torch.Tensor] = dot_interaction_backward(
+        grad_out.contiguous(), dense, embeddings
+    )
+    return grads
+
+
+dot_interaction.register_autograd(_dot_backward, setup_context=_dot_setup_context)

@@ -14,6 +14,8 @@ Backward, per table::
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tetrarec.embedding import SparseOptimizerSpec
@@ -22,7 +24,13 @@ from tetrarec.kernels.quant import decode_rows, encode_rows, row_width
 from tetrarec.sparse import offsets_from_lengths
 from tetrarec.types import OptimizerKind, Precision
 
-__all__ = ["backward_update", "pooled_forward", "table_view"]
+__all__ = [
+    "backward_update",
+    "dot_interaction_backward",
+    "dot_interaction_forward",
+    "pooled_forward",
+    "table_view",
+]
 
 
 def table_view(
@@ -183,3 +191,62 @@ def backward_update(
     if psw_grad is None:
         return torch.empty(0, device=grad_out.device)
     return psw_grad
+
+
+# -- DLRM dot interaction ---------------------------------------------------------------
+#
+# Rows per sample: C_0 = dense (B, D), C_{f+1} = embeddings[:, f*D:(f+1)*D]; the output
+# is [dense | <C_i, C_j> for i > j, row-major]. These are the oracle of the compiled
+# kernel and what runs on other devices and dtypes.
+
+
+@functools.cache
+def _pair_maps(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the pairs' flat ``(i, j)`` cells ``(P,)`` and the map cell -> 1 + pair.
+
+    The map ``(n*n,)`` is 0 on the diagonal; one gather through it builds ``G + G^T``.
+    """
+    rows, cols = torch.tril_indices(n, n, offset=-1)
+    pairs = rows * n + cols
+    sym_gather = torch.zeros(n * n, dtype=torch.int64)
+    sym_gather[pairs] = torch.arange(1, pairs.numel() + 1)
+    sym_gather[cols * n + rows] = torch.arange(1, pairs.numel() + 1)
+    return pairs.to(device), sym_gather.to(device)
+
+
+def _stack_rows(dense: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+    b, d = dense.shape
+    n = embeddings.shape[1] // d + 1
+    combined = dense.new_empty(b, n, d)  # (B, n, D)
+    combined[:, 0] = dense
+    combined[:, 1:] = embeddings.view(b, n - 1, d)
+    return combined
+
+
+def dot_interaction_forward(dense: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+    """``(B, D), (B, F*D) -> (B, D + n(n-1)/2)`` with ``n = F + 1``: one bmm, one gather."""
+    combined = _stack_rows(dense, embeddings)
+    b, n, d = combined.shape
+    pairs, _ = _pair_maps(n, dense.device)
+    z = torch.bmm(combined, combined.transpose(1, 2)).view(b, n * n)  # (B, n*n)
+    out = dense.new_empty(b, d + pairs.numel())
+    out[:, :d] = dense
+    out[:, d:] = z.index_select(1, pairs)
+    return out
+
+
+def dot_interaction_backward(
+    grad_out: torch.Tensor, dense: torch.Tensor, embeddings: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad dense, grad embeddings)``: ``dC = (G + G^T) C``, one gather and one bmm.
+
+    ``<C_i, C_j>`` touches both rows, so a pair's gradient goes to cells ``(i, j)`` and
+    ``(j, i)``; a gather from ``[0 | pair grads]`` builds ``G + G^T`` (zero diagonal).
+    """
+    combined = _stack_rows(dense, embeddings)
+    b, n, d = combined.shape
+    _, sym_gather = _pair_maps(n, dense.device)
+    padded = torch.cat((grad_out.new_zeros(b, 1), grad_out[:, d:]), dim=1)  # (B, 1 + P)
+    sym = padded.index_select(1, sym_gather).view(b, n, n)
+    grad_c = torch.bmm(sym, combined)  # (B, n, D)
+    return grad_out[:, :d] + grad_c[:, 0], grad_c[:, 1:].reshape(b, (n - 1) * d)

@@ -43,7 +43,9 @@ def test_precision_emulated_linear_equals_its_formula() -> None:
     xb, wb, gb = r(x.detach()), r(w.detach()), r(g)
     assert torch.equal(y, r(torch.addmm(r(b.detach()), xb, wb.t())))
     assert torch.equal(y, r(y))  # every output is a BF16 value
-    assert x.grad is not None and w.grad is not None and b.grad is not None
+    assert x.grad is not None
+    assert w.grad is not None
+    assert b.grad is not None
     assert torch.equal(x.grad, r(gb @ wb))
     assert torch.equal(w.grad, r(gb.t() @ xb))
     assert torch.equal(b.grad, r(gb.sum(0)))

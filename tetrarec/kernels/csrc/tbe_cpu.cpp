@@ -11,6 +11,8 @@
 // each unique row is decoded, updated by the optimizer rule and encoded in place.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "interaction_cpu.h"
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -440,4 +442,8 @@ at::Tensor tbe_backward_update(const at::Tensor& grad_out, at::Tensor& weights,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tbe_forward", &tbe_forward, "pooled table-batched lookup (CPU)");
   m.def("tbe_backward_update", &tbe_backward_update, "fused backward + optimizer (CPU)");
+  m.def("dot_interaction_forward", &tetrarec::dot_interaction_forward,
+        "DLRM dot interaction forward (CPU)");
+  m.def("dot_interaction_backward", &tetrarec::dot_interaction_backward,
+        "DLRM dot interaction backward (CPU)");
 }
