@@ -75,7 +75,7 @@ def _compile() -> ModuleType:
     start = time.perf_counter()
     module = cpp_extension.load(
         name="tetrarec_tbe_cpu",
-        sources=[str(_CSRC / "tbe_cpu.cpp"), str(_CSRC / "interaction_cpu.cpp")],
+        sources=[str(_CSRC / f"{name}.cpp") for name in ("tbe_cpu", "interaction_cpu", "bf16_cpu")],
         extra_include_paths=[str(_CSRC)],
         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
         extra_ldflags=["-fopenmp"],

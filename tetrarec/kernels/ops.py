@@ -30,7 +30,7 @@ import torch
 from tetrarec.kernels import reference
 from tetrarec.kernels._build import compiled_cpu_kernels
 
-__all__ = ["dot_interaction", "tbe_backward_update", "tbe_forward"]
+__all__ = ["dot_interaction", "round_to_bf16_out", "tbe_backward_update", "tbe_forward"]
 
 
 @torch.library.custom_op("tetrarec::tbe_forward", mutates_args=("out",))
@@ -186,7 +186,10 @@ def dot_interaction(dense: torch.Tensor, embeddings: torch.Tensor) -> torch.Tens
 
 
 def _compiled_interaction(*tensors: torch.Tensor) -> ModuleType | None:
-    """The compiled kernels, if they exist and take these tensors (contiguous FP32)."""
+    """The compiled kernels, if they exist and take these tensors (contiguous FP32).
+
+    For the dense-path ops (interaction, BF16 rounding), which take FP32 only.
+    """
     if not all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
         return None
     return compiled_cpu_kernels()
@@ -249,3 +252,29 @@ def _dot_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 dot_interaction.register_autograd(_dot_backward, setup_context=_dot_setup_context)
+
+
+# -- BF16 rounding (the dense path's BF16 emulation) ---------------------------------------
+
+
+@torch.library.custom_op("tetrarec::round_to_bf16_out", mutates_args=("out",))
+def round_to_bf16_out(x: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = x`` rounded to the nearest BF16 value (ties to even), in ``x``'s dtype.
+
+    ``out`` may be ``x`` (in place). The CPU kernel does it in one pass over FP32.
+    """
+    out.copy_(x.to(torch.bfloat16))
+
+
+@round_to_bf16_out.register_kernel("cpu")
+def _round_to_bf16_out_cpu(x: torch.Tensor, out: torch.Tensor) -> None:
+    ext = _compiled_interaction(x, out)
+    if ext is None:
+        out.copy_(x.to(torch.bfloat16))
+    else:
+        ext.round_to_bf16_out(x, out)
+
+
+@round_to_bf16_out.register_fake
+def _round_to_bf16_out_fake(x: torch.Tensor, out: torch.Tensor) -> None:
+    return None

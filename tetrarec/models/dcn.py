@@ -77,8 +77,8 @@ class LowRankCrossNet(nn.Module):
         """``(B, N) -> (B, N)``."""
         x = x0
         for v, w, b in zip(self.v_kernels, self.w_kernels, self.biases):
-            xv = linear(x, v)  # (B, r)
-            xw = linear(xv, w, b)  # (B, N) = W (V x) + b
+            xv = linear(x, v, grad_is_bf16=True)  # (B, r); its gradient comes from W's
+            xw = linear(xv, w, b, input_is_bf16=True)  # (B, N) = W (V x) + b
             x = torch.addcmul(x, x0, xw)  # (B, N) = x0 * (W V x + b) + x
         return x
 

@@ -80,8 +80,13 @@ class MLP(nn.Module):
                 with torch.autocast(x.device.type, enabled=False):
                     x = F.linear(x.float(), layer.weight, layer.bias)
             else:
-                # tetrarec's linear: F.linear, or its BF16 emulation (models.precision)
-                x = linear(x, layer.weight, layer.bias)
+                # tetrarec's linear: F.linear, or its BF16 emulation (models.precision).
+                # Between two emulated layers values stay BF16 (ReLU keeps them), so
+                # neither the input nor the gradient needs another rounding pass.
+                next_emulated = i < last and not (i + 1 == last and self.fp32_last_layer)
+                x = linear(
+                    x, layer.weight, layer.bias, input_is_bf16=i > 0, grad_is_bf16=next_emulated
+                )
             if i < last or self.final_activation:
                 # In place: the linear's backward never reads its output, ReLU's reads
                 # only its own output, so no extra (B, out) buffer is needed.

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tetrarec.kernels import ops
 from tetrarec.types import NamedEnum, Precision
 
 __all__ = [
@@ -112,13 +113,41 @@ def dense_precision_context(
 
 def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
     """``x`` rounded to the nearest BF16 value (ties to even), kept in ``x``'s dtype."""
-    return x.to(torch.bfloat16).to(x.dtype)
+    if x.dtype != torch.float32:
+        return x.to(torch.bfloat16).to(x.dtype)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    ops.round_to_bf16_out(x.contiguous(), out)
+    return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, or its BF16 emulation inside ``emulated_bf16()``."""
+def _round_(x: torch.Tensor) -> torch.Tensor:
+    """Round a fresh FP32 result to BF16 values in place (no copy)."""
+    ops.round_to_bf16_out(x, x)
+    return x
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    input_is_bf16: bool = False,
+    grad_is_bf16: bool = False,
+) -> torch.Tensor:
+    """``F.linear``, or its BF16 emulation inside ``emulated_bf16()``.
+
+    Args:
+        x: ``(..., in)`` input.
+        weight: ``(out, in)``.
+        bias: ``(out,)`` or ``None``.
+        input_is_bf16: the caller guarantees ``x`` holds BF16 values already (the
+            output of another emulated product, maybe through a ReLU): its rounding
+            pass is skipped. Ignored outside the emulation.
+        grad_is_bf16: the same for the gradient that will flow into the output (it
+            comes from another emulated product's input gradient).
+    """
     if bf16_emulation_active() and x.dtype == torch.float32:
-        out: torch.Tensor = _EmulatedBF16Linear.apply(x, weight, bias)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
+        out: torch.Tensor = _EmulatedBF16Linear.apply(x, weight, bias, input_is_bf16, grad_is_bf16)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
         return out
     return F.linear(x, weight, bias)
 
@@ -127,30 +156,37 @@ class _EmulatedBF16Linear(torch.autograd.Function):
     """``y = bf16(bf16(x) bf16(w)^T + bf16(b))``, on the FP32 kernel.
 
     Each gradient is a BF16-rounded product of BF16-rounded operands, as autocast's BF16
-    kernels give them.
+    kernels give them. Results of the products are rounded in place, in one pass.
     """
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        input_is_bf16: bool,
+        grad_is_bf16: bool,
     ) -> torch.Tensor:
-        xb, wb = round_to_bf16(x), round_to_bf16(weight)
+        xb = x if input_is_bf16 else round_to_bf16(x)
+        wb = round_to_bf16(weight)
         ctx.save_for_backward(xb, wb)
         ctx.has_bias = bias is not None
-        y = F.linear(xb, wb, None if bias is None else round_to_bf16(bias))
-        return round_to_bf16(y)
+        ctx.grad_is_bf16 = grad_is_bf16
+        return _round_(F.linear(xb, wb, None if bias is None else round_to_bf16(bias)))
 
     @staticmethod
     def backward(
         ctx: Any, grad: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]:
         xb, wb = ctx.saved_tensors
-        g = round_to_bf16(grad).reshape(-1, grad.shape[-1])  # (N, out)
+        g = grad if ctx.grad_is_bf16 else round_to_bf16(grad)
+        g = g.reshape(-1, g.shape[-1])  # (N, out)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = round_to_bf16(g @ wb).reshape(xb.shape)
+            grad_x = _round_(g @ wb).reshape(xb.shape)
         if ctx.needs_input_grad[1]:
-            grad_w = round_to_bf16(g.t() @ xb.reshape(-1, xb.shape[-1]))
+            grad_w = _round_(g.t() @ xb.reshape(-1, xb.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = round_to_bf16(g.sum(0))
-        return grad_x, grad_w, grad_b
+            grad_b = _round_(g.sum(0))
+        return grad_x, grad_w, grad_b, None, None

@@ -90,3 +90,19 @@ def test_interaction_compiled_kernel_rejects_mismatched_widths(kernel_path):
     ext = compiled_cpu_kernels()
     with pytest.raises(RuntimeError, match="embeddings must be"):
         ext.dot_interaction_forward(torch.zeros(2, 4), torch.zeros(2, 6))
+
+
+def test_round_to_bf16_matches_torch_conversion_on_every_kind_of_value(kernel_path):
+    gen = torch.Generator().manual_seed(7)
+    bits = torch.randint(-(2**31), 2**31 - 1, (200_000,), generator=gen, dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32)  # every exponent, denormals, NaN, inf
+    special = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 3.4028234663852886e38]
+    x = torch.cat((x, torch.tensor(special), torch.tensor([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8])))
+    out = torch.empty_like(x)
+    ops.round_to_bf16_out(x, out)
+    want = x.to(torch.bfloat16).float()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(out), nan)
+    assert torch.equal(out[~nan].view(torch.int32), want[~nan].view(torch.int32))  # -0 too
+    ops.round_to_bf16_out(x, x)  # in place
+    assert torch.equal(x[~nan].view(torch.int32), want[~nan].view(torch.int32))

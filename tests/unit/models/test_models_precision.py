@@ -155,3 +155,34 @@ def test_precision_emulated_dlrm_tracks_native_bf16(arch: str) -> None:
 def test_precision_bad_bf16_matmul_names_the_choices() -> None:
     with pytest.raises(ValueError, match="bf16 matmul"):
         DLRMConfig(bf16_matmul="fast")
+
+
+@pytest.mark.parametrize("fp32_last_layer", [True, False])
+def test_precision_mlp_rounding_hints_change_nothing(
+    monkeypatch: pytest.MonkeyPatch, fp32_last_layer: bool
+) -> None:
+    """The MLP skips rounding passes on values it knows are BF16 already: bitwise the
+    same outputs and gradients as rounding everything."""
+    gen = torch.Generator().manual_seed(9)
+    mlp = MLP(40, (32, 16, 8), final_activation=True, fp32_last_layer=fp32_last_layer)
+    x = torch.randn(64, 40, generator=gen)
+    g = torch.randn(64, 8, generator=gen)
+
+    def run() -> list[torch.Tensor]:
+        xx = x.clone().requires_grad_()
+        mlp.zero_grad()
+        with emulated_bf16():
+            y = mlp(xx)
+        y.backward(g)
+        assert xx.grad is not None
+        return [y.detach(), xx.grad, *(p.grad for p in mlp.parameters() if p.grad is not None)]
+
+    hinted = run()
+    plain_linear = precision.linear
+
+    def no_hints(*args: torch.Tensor | None, **_hints: bool) -> torch.Tensor:
+        return plain_linear(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("tetrarec.models.mlp.linear", no_hints)
+    for a, b in zip(hinted, run(), strict=True):
+        assert torch.equal(a, b)

@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "bf16_cpu.h"
 #include "interaction_cpu.h"
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -446,4 +447,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "DLRM dot interaction forward (CPU)");
   m.def("dot_interaction_backward", &tetrarec::dot_interaction_backward,
         "DLRM dot interaction backward (CPU)");
+  m.def("round_to_bf16_out", &tetrarec::round_to_bf16_out,
+        "FP32 rounded to the nearest BF16 value, in FP32 (CPU)");
 }
