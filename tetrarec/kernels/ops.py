@@ -185,7 +185,7 @@ def dot_interaction(dense: torch.Tensor, embeddings: torch.Tensor) -> torch.Tens
     return reference.dot_interaction_forward(dense, embeddings)
 
 
-def _compiled_interaction(*tensors: torch.Tensor) -> ModuleType | None:
+def _compiled_dense_kernels(*tensors: torch.Tensor) -> ModuleType | None:
     """The compiled kernels, if they exist and take these tensors (contiguous FP32).
 
     For the dense-path ops (interaction, BF16 rounding), which take FP32 only.
@@ -197,7 +197,7 @@ def _compiled_interaction(*tensors: torch.Tensor) -> ModuleType | None:
 
 @dot_interaction.register_kernel("cpu")
 def _dot_interaction_cpu(dense: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
-    ext = _compiled_interaction(dense, embeddings)
+    ext = _compiled_dense_kernels(dense, embeddings)
     if ext is None:
         return reference.dot_interaction_forward(dense, embeddings)
     out: torch.Tensor = ext.dot_interaction_forward(dense, embeddings)
@@ -223,7 +223,7 @@ def dot_interaction_backward(
 def _dot_interaction_backward_cpu(
     grad_out: torch.Tensor, dense: torch.Tensor, embeddings: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    ext = _compiled_interaction(grad_out, dense, embeddings)
+    ext = _compiled_dense_kernels(grad_out, dense, embeddings)
     if ext is None:
         return reference.dot_interaction_backward(grad_out, dense, embeddings)
     grads: tuple[torch.Tensor, torch.Tensor] = ext.dot_interaction_backward(
@@ -268,7 +268,7 @@ def round_to_bf16_out(x: torch.Tensor, out: torch.Tensor) -> None:
 
 @round_to_bf16_out.register_kernel("cpu")
 def _round_to_bf16_out_cpu(x: torch.Tensor, out: torch.Tensor) -> None:
-    ext = _compiled_interaction(x, out)
+    ext = _compiled_dense_kernels(x, out)
     if ext is None:
         out.copy_(x.to(torch.bfloat16))
     else:
