@@ -106,3 +106,16 @@ def test_round_to_bf16_matches_torch_conversion_on_every_kind_of_value(kernel_pa
     assert torch.equal(out[~nan].view(torch.int32), want[~nan].view(torch.int32))  # -0 too
     ops.round_to_bf16_out(x, x)  # in place
     assert torch.equal(x[~nan].view(torch.int32), want[~nan].view(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_interaction_cuda_runs_the_portable_path_and_matches_cpu():
+    x, e, g = _inputs(64, 26, 64, seed=11)
+    cpu = _run(ops.dot_interaction, x, e, g)
+    cuda = _run(ops.dot_interaction, x.cuda(), e.cuda(), g.cuda())
+    for a, b in zip(cuda, cpu, strict=True):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-4)
+    out = torch.empty_like(x.cuda())
+    ops.round_to_bf16_out(x.cuda(), out)
+    assert torch.equal(out.cpu(), x.to(torch.bfloat16).float())
