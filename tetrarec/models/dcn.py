@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tetrarec.models.interaction import check_interaction_inputs
 from tetrarec.models.precision import linear
 
 __all__ = ["DCNInteraction", "LowRankCrossNet"]
@@ -124,12 +125,7 @@ class DCNInteraction(nn.Module):
         Raises:
             ValueError: if the widths do not match ``(D, F*D)``.
         """
-        if dense.shape[1] != self.dim or embeddings.shape[1] != self.num_features * self.dim:
-            raise ValueError(
-                f"expected dense (B, {self.dim}) and embeddings (B, "
-                f"{self.num_features * self.dim}), got {tuple(dense.shape)} and "
-                f"{tuple(embeddings.shape)}"
-            )
+        check_interaction_inputs(dense, embeddings, self.num_features, self.dim)
         # The input stays in the embeddings' precision (FP32): with a BF16 dense path only
         # the two products of each layer run in BF16, the residual sum does not.
         x0 = torch.cat((dense.to(embeddings.dtype), embeddings), dim=1)  # (B, (F+1)*D)

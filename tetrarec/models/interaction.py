@@ -36,7 +36,27 @@ from torch import nn
 from tetrarec.kernels import ops
 from tetrarec.models.config import InteractionImpl
 
-__all__ = ["DotInteraction", "dot_interaction_reference", "interaction_pairs"]
+__all__ = [
+    "DotInteraction",
+    "check_interaction_inputs",
+    "dot_interaction_reference",
+    "interaction_pairs",
+]
+
+
+def check_interaction_inputs(
+    dense: torch.Tensor, embeddings: torch.Tensor, num_features: int, dim: int
+) -> None:
+    """Check an interaction's inputs: ``dense`` (B, D) and ``embeddings`` (B, F*D).
+
+    Raises:
+        ValueError: naming the expected and the given shapes.
+    """
+    if dense.shape[1] != dim or embeddings.shape[1] != num_features * dim:
+        raise ValueError(
+            f"expected dense (B, {dim}) and embeddings (B, {num_features * dim}), "
+            f"got {tuple(dense.shape)} and {tuple(embeddings.shape)}"
+        )
 
 
 def interaction_pairs(num_features: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,12 +117,7 @@ class DotInteraction(nn.Module):
         Raises:
             ValueError: if the widths do not match ``(D, F*D)``.
         """
-        if dense.shape[1] != self.dim or embeddings.shape[1] != self.num_features * self.dim:
-            raise ValueError(
-                f"expected dense (B, {self.dim}) and embeddings (B, "
-                f"{self.num_features * self.dim}), got {tuple(dense.shape)} and "
-                f"{tuple(embeddings.shape)}"
-            )
+        check_interaction_inputs(dense, embeddings, self.num_features, self.dim)
         with torch.autocast(dense.device.type, enabled=False):
             dense, embeddings = dense.float(), embeddings.float()
             return _DOT_IMPLS[self.impl](dense.contiguous(), embeddings.contiguous())

@@ -226,3 +226,14 @@ def test_models_train_loss_goes_down(arch: str) -> None:
             opt.step()
     after = epoch_loss()
     assert after < 0.7 * before, (before, after)
+
+
+@pytest.mark.parametrize("arch", ["dlrm", "dcn"])
+def test_models_interaction_rejects_wrong_widths(arch: str) -> None:
+    inter = (
+        DotInteraction(num_features=3, dim=4)
+        if arch == "dlrm"
+        else DCNInteraction(num_features=3, dim=4, num_layers=1, low_rank=2)
+    )
+    with pytest.raises(ValueError, match=r"expected dense \(B, 4\) and embeddings \(B, 12\)"):
+        inter(torch.zeros(2, 4), torch.zeros(2, 8))
