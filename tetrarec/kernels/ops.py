@@ -4,7 +4,13 @@ Each op is defined once with ``torch.library.custom_op``; its default implementa
 the portable one in ``reference.py`` (any device), and the CPU kernel is the compiled
 one from ``csrc/`` when it builds (see ``_build.py``). Callers never branch on device.
 
-Arguments shared by both ops, for one row store (the tables of one precision)::
+The ops: ``tbe_forward`` and ``tbe_backward_update`` (table-batched embedding), and two
+of the dense path, ``dot_interaction`` (differentiable) and ``round_to_bf16_out`` (the
+BF16 emulation's rounding); the dense ones use the compiled kernel for contiguous FP32
+tensors only.
+
+Arguments shared by the two table-batched ops, for one row store (the tables of one
+precision)::
 
     weights  (sum_t rows_t * width_t,)  flat rows; table t starts at w_offsets[t]
     meta     7 int64 tensors on the weights' device:
