@@ -3,7 +3,7 @@
 from tetrarec.models.config import DLRMConfig, InteractionImpl, ModelArch
 from tetrarec.models.dcn import DCNInteraction, LowRankCrossNet
 from tetrarec.models.dlrm import DLRM, INTERACTIONS, EmbeddingModule, build_model
-from tetrarec.models.interaction import DotInteraction, dot_interaction_reference
+from tetrarec.models.interaction import DotInteraction, Interaction, dot_interaction_reference
 from tetrarec.models.mlp import MLP
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "DLRMConfig",
     "DotInteraction",
     "EmbeddingModule",
+    "Interaction",
     "InteractionImpl",
     "LowRankCrossNet",
     "ModelArch",

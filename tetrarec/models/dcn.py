@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tetrarec.models.interaction import check_interaction_inputs
+from tetrarec.models.interaction import Interaction
 from tetrarec.models.precision import linear
 
 __all__ = ["DCNInteraction", "LowRankCrossNet"]
@@ -84,7 +84,7 @@ class LowRankCrossNet(nn.Module):
         return x
 
 
-class DCNInteraction(nn.Module):
+class DCNInteraction(Interaction):
     """DLRM-DCNv2 interaction: ``(B, D), (B, F*D) -> (B, (F+1)*D)``.
 
     Args:
@@ -109,12 +109,7 @@ class DCNInteraction(nn.Module):
         low_rank: int,
         generator: torch.Generator | None = None,
     ) -> None:
-        super().__init__()
-        if num_features <= 0 or dim <= 0:
-            raise ValueError(f"need num_features > 0 and dim > 0, got {num_features} and {dim}")
-        self.num_features = num_features
-        self.dim = dim
-        self.out_features = (num_features + 1) * dim
+        super().__init__(num_features=num_features, dim=dim, out_features=(num_features + 1) * dim)
         self.crossnet = LowRankCrossNet(
             self.out_features, num_layers=num_layers, low_rank=low_rank, generator=generator
         )
@@ -125,7 +120,7 @@ class DCNInteraction(nn.Module):
         Raises:
             ValueError: if the widths do not match ``(D, F*D)``.
         """
-        check_interaction_inputs(dense, embeddings, self.num_features, self.dim)
+        self.check_inputs(dense, embeddings)
         # The input stays in the embeddings' precision (FP32): with a BF16 dense path only
         # the two products of each layer run in BF16, the residual sum does not.
         x0 = torch.cat((dense.to(embeddings.dtype), embeddings), dim=1)  # (B, (F+1)*D)

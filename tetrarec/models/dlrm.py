@@ -43,7 +43,7 @@ from torch.profiler import record_function
 
 from tetrarec.models.config import DLRMConfig, ModelArch
 from tetrarec.models.dcn import DCNInteraction
-from tetrarec.models.interaction import DotInteraction
+from tetrarec.models.interaction import DotInteraction, Interaction
 from tetrarec.models.mlp import MLP, generator_for
 from tetrarec.models.precision import BF16Matmul, dense_precision_context, has_native_bf16
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures
@@ -67,18 +67,18 @@ class EmbeddingModule(Protocol):
         ...
 
 
-InteractionBuilder = Callable[[DLRMConfig, int, int, torch.Generator | None], nn.Module]
+InteractionBuilder = Callable[[DLRMConfig, int, int, torch.Generator | None], Interaction]
 
 
 def _build_dot(
     config: DLRMConfig, num_features: int, dim: int, _gen: torch.Generator | None
-) -> nn.Module:
+) -> Interaction:
     return DotInteraction(num_features=num_features, dim=dim, impl=config.interaction_impl)
 
 
 def _build_dcn(
     config: DLRMConfig, num_features: int, dim: int, gen: torch.Generator | None
-) -> nn.Module:
+) -> Interaction:
     return DCNInteraction(
         num_features=num_features,
         dim=dim,
@@ -88,7 +88,7 @@ def _build_dcn(
     )
 
 
-# Adding an interaction means writing its module and one line here. Each module maps
+# Adding an interaction means writing its module (an Interaction) and one line here. Each maps
 # (B, D), (B, F*D) -> (B, out_features).
 INTERACTIONS: dict[ModelArch, InteractionBuilder] = {
     ModelArch.DLRM: _build_dot,
@@ -152,11 +152,8 @@ class DLRM(nn.Module):
         self.inter_arch = INTERACTIONS[config.arch](
             config, self.num_features, config.embedding_dim, gen
         )
-        inter_out = self.inter_arch.out_features
-        if not isinstance(inter_out, int):
-            raise TypeError(f"interaction {config.arch.value!r} must set an int out_features")
         self.over_arch = MLP(
-            inter_out,
+            self.inter_arch.out_features,
             config.top_mlp,
             final_activation=False,
             fp32_last_layer=True,

@@ -38,25 +38,46 @@ from tetrarec.models.config import InteractionImpl
 
 __all__ = [
     "DotInteraction",
-    "check_interaction_inputs",
+    "Interaction",
     "dot_interaction_reference",
     "interaction_pairs",
 ]
 
 
-def check_interaction_inputs(
-    dense: torch.Tensor, embeddings: torch.Tensor, num_features: int, dim: int
-) -> None:
-    """Check an interaction's inputs: ``dense`` (B, D) and ``embeddings`` (B, F*D).
+class Interaction(nn.Module):
+    """Base of the interactions: ``(B, D), (B, F*D) -> (B, out_features)``.
+
+    Holds the sizes every interaction has and checks them, once for all subclasses.
+
+    Args:
+        num_features: F.
+        dim: D.
+        out_features: the output width.
 
     Raises:
-        ValueError: naming the expected and the given shapes.
+        ValueError: if ``num_features`` or ``dim`` is not positive.
     """
-    if dense.shape[1] != dim or embeddings.shape[1] != num_features * dim:
-        raise ValueError(
-            f"expected dense (B, {dim}) and embeddings (B, {num_features * dim}), "
-            f"got {tuple(dense.shape)} and {tuple(embeddings.shape)}"
-        )
+
+    def __init__(self, *, num_features: int, dim: int, out_features: int) -> None:
+        super().__init__()
+        if num_features <= 0 or dim <= 0:
+            raise ValueError(f"need num_features > 0 and dim > 0, got {num_features} and {dim}")
+        self.num_features = num_features
+        self.dim = dim
+        self.out_features = out_features
+
+    def check_inputs(self, dense: torch.Tensor, embeddings: torch.Tensor) -> None:
+        """Check ``dense`` (B, D) and ``embeddings`` (B, F*D).
+
+        Raises:
+            ValueError: naming the expected and the given shapes.
+        """
+        if dense.shape[1] != self.dim or embeddings.shape[1] != self.num_features * self.dim:
+            raise ValueError(
+                f"expected dense (B, {self.dim}) and embeddings "
+                f"(B, {self.num_features * self.dim}), "
+                f"got {tuple(dense.shape)} and {tuple(embeddings.shape)}"
+            )
 
 
 def interaction_pairs(num_features: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,7 +107,7 @@ def dot_interaction_reference(dense: torch.Tensor, embeddings: torch.Tensor) -> 
     return torch.cat((dense, z[:, rows, cols]), dim=1)  # (B, D + P)
 
 
-class DotInteraction(nn.Module):
+class DotInteraction(Interaction):
     """The DLRM dot interaction, ``(B, D), (B, F*D) -> (B, D + F(F+1)/2)``.
 
     Args:
@@ -103,13 +124,9 @@ class DotInteraction(nn.Module):
     def __init__(
         self, *, num_features: int, dim: int, impl: InteractionImpl = InteractionImpl.FAST
     ) -> None:
-        super().__init__()
-        if num_features <= 0 or dim <= 0:
-            raise ValueError(f"need num_features > 0 and dim > 0, got {num_features} and {dim}")
-        self.num_features = num_features
-        self.dim = dim
+        out = dim + num_features * (num_features + 1) // 2
+        super().__init__(num_features=num_features, dim=dim, out_features=out)
         self.impl = InteractionImpl.parse(impl)
-        self.out_features = dim + num_features * (num_features + 1) // 2
 
     def forward(self, dense: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         """Interact ``dense`` (B, D) with ``embeddings`` (B, F*D); returns FP32 (B, out).
@@ -117,7 +134,7 @@ class DotInteraction(nn.Module):
         Raises:
             ValueError: if the widths do not match ``(D, F*D)``.
         """
-        check_interaction_inputs(dense, embeddings, self.num_features, self.dim)
+        self.check_inputs(dense, embeddings)
         with torch.autocast(dense.device.type, enabled=False):
             dense, embeddings = dense.float(), embeddings.float()
             return _DOT_IMPLS[self.impl](dense.contiguous(), embeddings.contiguous())

@@ -237,3 +237,15 @@ def test_models_interaction_rejects_wrong_widths(arch: str) -> None:
     )
     with pytest.raises(ValueError, match=r"expected dense \(B, 4\) and embeddings \(B, 12\)"):
         inter(torch.zeros(2, 4), torch.zeros(2, 8))
+
+
+@pytest.mark.parametrize("arch", ["dlrm", "dcn"])
+@pytest.mark.parametrize(("features", "dim"), [(0, 4), (3, 0)])
+def test_models_interaction_rejects_non_positive_sizes(arch: str, features: int, dim: int) -> None:
+    def build() -> object:
+        if arch == "dlrm":
+            return DotInteraction(num_features=features, dim=dim)
+        return DCNInteraction(num_features=features, dim=dim, num_layers=1, low_rank=2)
+
+    with pytest.raises(ValueError, match="need num_features > 0 and dim > 0"):
+        build()
