@@ -155,7 +155,7 @@ def build_tetrarec(
     model = build_model(cfg, emb)
     dense_opt = torch.optim.Adagrad(list(model.dense_parameters()), lr=args.lr, fused=True)
     sparse_opt = None
-    if not emb.fused_optimizer:  # reference path: element-wise Adagrad on sparse grads
+    if not hasattr(emb, "fused_optimizer"):  # reference path: element-wise Adagrad on sparse grads
         sparse_opt = torch.optim.Adagrad(emb.sparse_parameters(), lr=args.lr)
     return model, dense_opt, sparse_opt
 

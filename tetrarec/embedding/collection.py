@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from tetrarec.embedding.config import TableConfig, feature_order
+from tetrarec.embedding.init import draw_seed, init_rows
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures, permute_keys
 
 __all__ = ["EmbeddingBagCollection", "check_ids"]
@@ -49,8 +50,9 @@ class EmbeddingBagCollection(nn.Module):
     Args:
         tables: the tables; each feature looks up exactly one table.
         check_bounds: raise ``ValueError`` for out-of-range ids (default on).
-        seed: optional seed for a deterministic initialization independent of the
-            global RNG.
+        seed: seeds the initial rows (``init_rows``: the same rows as every other
+            collection and sharded layout with this seed); ``None`` draws one from the
+            global torch RNG.
 
     Example:
         >>> ebc = EmbeddingBagCollection([TableConfig(name="t", num_embeddings=10, dim=4)])
@@ -58,8 +60,6 @@ class EmbeddingBagCollection(nn.Module):
         >>> ebc(sf).values.shape
         torch.Size([2, 4])
     """
-
-    fused_optimizer = False
 
     def __init__(
         self,
@@ -73,13 +73,12 @@ class EmbeddingBagCollection(nn.Module):
         self.feature_names = feature_order(self.tables)
         self.feature_dims = tuple(t.dim for t in self.tables for _ in t.feature_names)
         self.check_bounds = check_bounds
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.seed = draw_seed() if seed is None else seed
         self.embedding_bags = nn.ModuleDict()
         for t in self.tables:
             bag = nn.EmbeddingBag(t.num_embeddings, t.dim, mode=t.pooling.value, sparse=True)
             with torch.no_grad():
-                w = torch.empty(t.num_embeddings, t.dim).uniform_(-t.bound, t.bound, generator=gen)
-                bag.weight.copy_(w)
+                bag.weight.copy_(init_rows(t, self.seed))
             self.embedding_bags[t.name] = bag
 
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:

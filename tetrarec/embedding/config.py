@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
 from tetrarec.types import OptimizerKind, PoolingMode, Precision
 
-__all__ = ["SparseOptimizerSpec", "TableConfig", "feature_order"]
+__all__ = ["SparseOptimizerSpec", "TableConfig", "TableSlice", "feature_order"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,8 +39,11 @@ class TableConfig:
     init_bound: float | None = None
 
     def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("a table needs a name")
+        if not self.name or any(c in self.name for c in "./@"):
+            raise ValueError(
+                f"a table needs a name without '.', '/' or '@' (they separate the parts of "
+                f"checkpoint keys and shard names), got {self.name!r}"
+            )
         if self.num_embeddings <= 0 or self.dim <= 0:
             raise ValueError(
                 f"table {self.name!r}: num_embeddings and dim must be positive, "
@@ -58,6 +62,44 @@ class TableConfig:
         if self.init_bound is not None:
             return self.init_bound
         return 1.0 / math.sqrt(self.num_embeddings)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableSlice:
+    """Where a local table (a shard) sits in the global table it was cut from.
+
+    A sharded layout holds each table as blocks of rows and columns; the local table
+    of a block is ``TableConfig(rows=row_stop - row_start, dim=col_stop - col_start)``
+    and its ``TableSlice`` says which block it is. Initial weights and the random
+    stream of stochastic rounding are functions of the *global* row and column, so a
+    block starts and rounds exactly as the same cells of the unsharded table.
+
+    Args:
+        table: the global (unsharded) table.
+        row_start: the global row of the local table's row 0.
+        col_start: the global column of the local table's column 0.
+
+    Raises:
+        ValueError: for a negative offset.
+    """
+
+    table: TableConfig
+    row_start: int = 0
+    col_start: int = 0
+
+    def __post_init__(self) -> None:
+        if self.row_start < 0 or self.col_start < 0:
+            raise ValueError(f"negative shard offsets in {self}")
+
+    def row_key(self) -> int:
+        """Stochastic-rounding key of the local row 0: ``key(table name) + row_start``.
+
+        Row ``r`` of the local table rounds with key ``row_key() + r``, the key of the
+        same global row in the unsharded table. The name's key is a stable 61-bit hash,
+        so sums stay below 2^63 for any row count.
+        """
+        digest = hashlib.blake2b(self.table.name.encode(), digest_size=8).digest()
+        return (int.from_bytes(digest, "little") >> 3) + self.row_start
 
 
 def feature_order(tables: tuple[TableConfig, ...] | list[TableConfig]) -> tuple[str, ...]:

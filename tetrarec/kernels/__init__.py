@@ -9,6 +9,7 @@ built on first use) sits behind the same ``tetrarec::`` ops (``ops.py``).
 """
 
 from tetrarec.kernels._build import compiled_cpu_kernels as build_cpu_kernels
+from tetrarec.kernels.fused_optim import FusedOptimizer, FusedState
 from tetrarec.kernels.optim_rules import OPTIM_RULES, state_layout
 from tetrarec.kernels.quant import (
     decode_rows,
@@ -23,6 +24,8 @@ from tetrarec.kernels.tbe import FusedEmbeddingBagCollection
 __all__ = [
     "OPTIM_RULES",
     "FusedEmbeddingBagCollection",
+    "FusedOptimizer",
+    "FusedState",
     "build_cpu_kernels",
     "decode_rows",
     "dequantize_rows",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tetrarec.embedding import TableConfig
+from tetrarec.embedding import TableConfig, TableSlice
 from tetrarec.kernels.optim_rules import state_layout
 from tetrarec.kernels.quant import row_width
 from tetrarec.types import OptimizerKind, Precision
@@ -50,10 +50,20 @@ class RowStore:
     state_numel: tuple[int, ...]
 
     def meta(
-        self, all_tables: Sequence[TableConfig], device: torch.device | None
+        self,
+        all_tables: Sequence[TableConfig],
+        slices: Sequence[TableSlice],
+        device: torch.device | None,
     ) -> list[torch.Tensor]:
-        """The 7 int64 meta tensors of ``ops.py`` for this store."""
+        """The 9 int64 meta tensors of ``ops.py`` for this store.
+
+        Args:
+            all_tables: every (local) table of the collection.
+            slices: where each of them sits in its global table.
+            device: where the tensors go.
+        """
         mine = [all_tables[i] for i in self.tables]
+        placed = [slices[i] for i in self.tables]
         local = {i: k for k, i in enumerate(self.tables)}
         feat_table, feat_cols, feat_mean, col = [], [], [], 0
         for i, t in enumerate(all_tables):
@@ -70,6 +80,8 @@ class RowStore:
             feat_table,
             feat_cols,
             feat_mean,
+            [s.row_key() for s in placed],
+            [s.col_start for s in placed],
         ]
         return [torch.tensor(r, dtype=torch.int64, device=device) for r in rows]
 

@@ -13,7 +13,7 @@ Arguments shared by the two table-batched ops, for one row store (the tables of 
 precision)::
 
     weights  (sum_t rows_t * width_t,)  flat rows; table t starts at w_offsets[t]
-    meta     7 int64 tensors on the weights' device:
+    meta     9 int64 tensors on the weights' device:
              w_offsets (T,)  first storage element of each table
              dims      (T,)  embedding dim of each table
              num_rows  (T,)  rows of each table
@@ -21,6 +21,9 @@ precision)::
              feat_table (F,) table of each feature, -1 if in another store
              feat_cols (F,)  first output column of each feature
              feat_mean (F,)  1 for mean pooling, 0 for sum
+             row_keys  (T,)  stochastic-rounding key of each table's row 0 (row r
+                             rounds with key row_keys[t] + r: the global row's key)
+             col_starts (T,) global column of each table's column 0 (a shard's offset)
     values   (N,) ids, key-major;  lengths (F*B,) bag lengths, key-major
     per_sample_weights  optional (N,) float
     precision  "fp32" | "fp16" | "bf16" | "int8" | "int4"

@@ -56,8 +56,22 @@ def row_width(precision: Precision, dim: int) -> int:
     return precision.row_bytes(dim) if precision.is_integer else dim
 
 
+def _uniform(
+    x: torch.Tensor, generator: torch.Generator | None, noise: torch.Tensor | None
+) -> torch.Tensor:
+    if noise is None:
+        return torch.rand(x.shape, generator=generator, device=x.device)
+    if noise.shape != x.shape:
+        raise ValueError(f"noise {tuple(noise.shape)} must be shaped like x {tuple(x.shape)}")
+    return noise
+
+
 def stochastic_round(
-    x: torch.Tensor, dtype: torch.dtype, *, generator: torch.Generator | None = None
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Round FP32 ``x`` to ``dtype`` (float16 or bfloat16), unbiased.
 
@@ -65,6 +79,8 @@ def stochastic_round(
         x: FP32 values.
         dtype: ``torch.float16`` or ``torch.bfloat16``.
         generator: source of the uniform draws (on ``x.device``).
+        noise: the uniform draws in [0, 1) themselves, shaped like ``x`` (instead of
+            ``generator``).
 
     Returns:
         A tensor of ``dtype`` shaped like ``x``; each value is one of the two ``dtype``
@@ -82,7 +98,7 @@ def stochastic_round(
     other = torch.nextafter(near, toward)
     gap = (other.float() - near.float()).abs()
     p_other = torch.where(gap > 0, diff.abs() / gap, torch.zeros_like(gap))
-    u = torch.rand(x.shape, generator=generator, device=x.device)
+    u = _uniform(x, generator, noise)
     return torch.where(u < p_other, other, near)
 
 
@@ -92,6 +108,7 @@ def quantize_rows(
     *,
     stochastic: bool = False,
     generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pack FP32 rows ``(R, D)`` into INT8/INT4 rows ``(R, row_bytes(D))`` uint8.
 
@@ -101,6 +118,7 @@ def quantize_rows(
         stochastic: round the integer codes stochastically (unbiased) instead of to
             nearest.
         generator: source of the uniform draws when ``stochastic``.
+        noise: the ``(R, D)`` uniform draws themselves (instead of ``generator``).
 
     Raises:
         ValueError: if ``precision`` is not an integer format.
@@ -116,8 +134,7 @@ def quantize_rows(
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     q = (x - bias) * inv
     if stochastic:
-        u = torch.rand(q.shape, generator=generator, device=x.device)
-        q = torch.floor(q + u)
+        q = torch.floor(q + _uniform(q, generator, noise))
     else:
         q = torch.round(q)
     q = q.clamp_(0, levels).to(torch.uint8)  # (R, D)
@@ -160,15 +177,19 @@ def encode_rows(
     *,
     stochastic: bool,
     generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """FP32 rows ``(R, D)`` to stored rows ``(R, row_width(precision, D))``."""
+    """FP32 rows ``(R, D)`` to stored rows ``(R, row_width(precision, D))``.
+
+    Stochastic rounding draws from ``generator``, or takes the draws ``noise`` (R, D).
+    """
     _check_supported(precision)
     if precision.is_integer:
-        return quantize_rows(x, precision, stochastic=stochastic, generator=generator)
+        return quantize_rows(x, precision, stochastic=stochastic, generator=generator, noise=noise)
     if precision is Precision.FP32:
         return x.float()
     if stochastic:
-        return stochastic_round(x, precision.torch_dtype, generator=generator)
+        return stochastic_round(x, precision.torch_dtype, generator=generator, noise=noise)
     return x.to(precision.torch_dtype)
 
 

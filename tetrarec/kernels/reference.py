@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from tetrarec.embedding import SparseOptimizerSpec
@@ -29,6 +30,7 @@ __all__ = [
     "dot_interaction_backward",
     "dot_interaction_forward",
     "pooled_forward",
+    "rounding_noise",
     "table_view",
 ]
 
@@ -67,7 +69,7 @@ def pooled_forward(
     """
     prec = Precision(precision)
     offsets = offsets_from_lengths(lengths.long())
-    w_off, dims, rows, _, feat_table, feat_cols, feat_mean = (m.tolist() for m in meta)
+    w_off, dims, rows, _, feat_table, feat_cols, feat_mean = (m.tolist() for m in meta[:7])
     batch = out.shape[0]
     starts = offsets[::batch].tolist()  # (F+1,) first value of each feature
     for f, t in enumerate(feat_table):
@@ -91,6 +93,52 @@ def pooled_forward(
     return torch.tensor([-1, -1], dtype=torch.int64)
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer on uint64 (wraps mod 2^64, as the C++ kernel's ``mix64``)."""
+    z = z + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    out: np.ndarray = z ^ (z >> np.uint64(31))
+    return out
+
+
+def rounding_noise(
+    seed: int, iteration: int, row_keys: torch.Tensor, col_start: int, dim: int
+) -> torch.Tensor:
+    """Uniform ``(U, dim)`` draws in (0, 1) for stochastic rounding of ``U`` rows.
+
+    Counter-based, as in the C++ kernel (the same bits): a function of the step's
+    ``(seed, iteration)``, the row's global key and the global column only, never of
+    which other rows the step touched or of how the table is sharded.
+
+    Args:
+        seed: the collection's seed.
+        iteration: the backward pass's number.
+        row_keys: ``(U,)`` rounding keys of the rows (``TableSlice.row_key() + row``).
+        col_start: global column of the rows' first column.
+        dim: columns.
+    """
+    with np.errstate(over="ignore"):
+        step = np.uint64(seed % 2**64) * _GOLDEN ^ np.uint64(iteration % 2**64)
+        rows = row_keys.detach().cpu().numpy().astype(np.uint64)
+        key = _mix64(step ^ (rows * np.uint64(0xA24BAED4963EE407)))  # (U,)
+        lo = (key & np.uint64(0xFFFFFFFF)).astype(np.uint32)[:, None]
+        hi = (key >> np.uint64(32)).astype(np.uint32)[:, None]
+        cols = np.arange(col_start, col_start + dim, dtype=np.uint32)[None, :]
+        z = lo + cols * np.uint32(0x9E3779B9)
+        z ^= z >> np.uint32(16)
+        z *= np.uint32(0x85EBCA6B)
+        z ^= z >> np.uint32(13)
+        z *= np.uint32(0xC2B2AE35)
+        z ^= z >> np.uint32(16)
+        bits16 = ((z ^ hi) >> np.uint32(8)) & np.uint32(0xFFFF)
+    u = (bits16.astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 65536.0)
+    return torch.from_numpy(u).to(row_keys.device)
+
+
 def _per_id_grads(
     grad_out: torch.Tensor,
     weights: torch.Tensor,
@@ -103,7 +151,7 @@ def _per_id_grads(
     prec: Precision,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ids ``(n,)`` of table ``t`` over its features and their gradients ``(n, D)``."""
-    w_off, dims, rows, _, feat_table, feat_cols, feat_mean = meta
+    w_off, dims, rows, _, feat_table, feat_cols, feat_mean = meta[:7]
     batch, d = grad_out.shape[0], dims[t]
     starts = offsets[::batch].tolist()
     all_ids, all_grads = [], []
@@ -183,9 +231,10 @@ def backward_update(
         ]
         st = {name: v[uniq] for (name, _), v in zip(names, st_views)}
         OPTIM_RULES[kind](w, g, st, spec, lr)
-        gen = torch.Generator(device=weights.device)
-        gen.manual_seed((seed * 1_000_003 + iteration * 7_919 + t) % (2**63))
-        view[uniq] = encode_rows(w, prec, stochastic=bool(stochastic), generator=gen)
+        noise = None
+        if stochastic and prec is not Precision.FP32:
+            noise = rounding_noise(seed, iteration, host[7][t] + uniq, host[8][t], dims[t])
+        view[uniq] = encode_rows(w, prec, stochastic=bool(stochastic), noise=noise)
         for (name, _), v in zip(names, st_views):
             v[uniq] = st[name]
     if psw_grad is None:

@@ -12,31 +12,45 @@ row and applies the optimizer to that row and its state in place. No gradient th
 of a table ever exists and the trainer builds no sparse optimizer
 (``fused_optimizer = True``).
 
-State dict layout (independent of the flat storage)::
+The module's state dict holds the rows; its optimizer (``fused_optimizer``, a
+``FusedOptimizer`` with the ``torch.optim`` surface) holds the optimizer state. Both are
+independent of the flat storage::
 
-    weights.<table>         FP32/FP16/BF16 tables: (rows, dim) in the stored dtype;
+    module.state_dict()
+      weights.<table>       FP32/FP16/BF16 tables: (rows, dim) in the stored dtype;
                             INT8/INT4 tables: packed rows (rows, row_bytes) uint8
                             (codes, then FP16 scale and bias; see quant.py)
-    state.<table>.<name>    FP32; (rows, dim) for per-element state, (rows,) for
+      rounding              (seed, iteration) of the stochastic-rounding stream
+    fused_optimizer.state_dict()["state"]
+      <table>: {<name>: ...} FP32; (rows, dim) for per-element state, (rows,) for
                             per-row state (row-wise sums, Adam's step count)
 
 Loading is the exact inverse (bitwise). ``table_weights()`` gives dequantized FP32.
-``state_dict()`` returns views into the flat storage (no copy); clone them if the
-consumer needs separate storages. The stochastic rounding stream is a function of
-``(seed, iteration)``, saved in the state dict as ``rounding`` so a resumed run rounds the same.
+Both state dicts return views into the flat storage (no copy); clone them if the
+consumer needs separate storages. Stochastic rounding draws from a counter-based stream
+of ``(seed, iteration, global row, global column)``, so a resumed run, and any sharded
+layout of the same tables (``TableSlice``), rounds the same.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from tetrarec.embedding import SparseOptimizerSpec, TableConfig, feature_order
+from tetrarec.embedding import (
+    SparseOptimizerSpec,
+    TableConfig,
+    TableSlice,
+    draw_seed,
+    feature_order,
+    init_rows,
+)
 from tetrarec.kernels import ops
+from tetrarec.kernels.fused_optim import FusedOptimizer
 from tetrarec.kernels.layout import plan_stores
 from tetrarec.kernels.memory import host_buffer
 from tetrarec.kernels.quant import decode_rows, encode_rows, row_width
@@ -46,8 +60,6 @@ from tetrarec.types import PoolingMode
 __all__ = ["FusedEmbeddingBagCollection"]
 
 logger = logging.getLogger(__name__)
-
-_INIT_CHUNK_ROWS = 1 << 20
 
 
 class _FusedLookup(torch.autograd.Function):
@@ -64,13 +76,13 @@ class _FusedLookup(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.module = module
         ctx.save_for_backward(values, lengths, psw)
-        return module._lookup(values, lengths, psw)
+        return module.pooled_lookup(values, lengths, psw)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         values, lengths, psw = ctx.saved_tensors
         want_psw = psw is not None and ctx.needs_input_grad[3]
-        psw_grad = ctx.module._update(grad_out, values, lengths, psw, want_psw)
+        psw_grad = ctx.module.apply_gradients(grad_out, values, lengths, psw, want_psw=want_psw)
         return None, None, None, psw_grad if want_psw else None, None
 
 
@@ -82,7 +94,10 @@ class FusedEmbeddingBagCollection(nn.Module):
             ``precision`` (FP32, FP16, BF16, INT8, INT4) sets how its rows are stored;
             rows are always computed in FP32.
         optimizer: the rule applied in backward (SGD, Adagrad, row-wise Adagrad, Adam,
-            row-wise Adam) with its hyperparameters. Optimizer state is FP32.
+            row-wise Adam) with its starting hyperparameters. Optimizer state is FP32.
+            ``fused_optimizer`` exposes it with the ``torch.optim`` surface: set its
+            ``param_groups[0]["lr"]`` (or drive it with an LR scheduler) to change the
+            next update.
         check_bounds: raise ``ValueError`` naming the feature, id and table size for an
             id outside its table (default). ``False`` skips the check for speed; an
             out-of-range id is then undefined behaviour (never clamped or zeroed).
@@ -92,9 +107,12 @@ class FusedEmbeddingBagCollection(nn.Module):
             ``torch.unique`` in the portable path.
         stochastic_rounding: round updated FP16/BF16/INT8/INT4 rows stochastically
             (unbiased); ``False`` rounds to nearest.
-        seed: seeds the initial weights (same draws as ``EmbeddingBagCollection(tables,
-            seed=seed)``) and the stochastic rounding streams.
+        seed: seeds the initial weights (``init_rows``: the same rows as
+            ``EmbeddingBagCollection(tables, seed=seed)``) and the stochastic rounding
+            streams; ``None`` draws one from the global torch RNG.
         device: where the rows live (default CPU).
+        slices: for a shard, where each table sits in its global table (default: each
+            table is a whole table). Initial rows and rounding follow the global cells.
 
     Raises:
         ValueError: for an unsupported precision or duplicate names.
@@ -107,8 +125,6 @@ class FusedEmbeddingBagCollection(nn.Module):
         torch.Size([2, 4])
     """
 
-    fused_optimizer = True
-
     def __init__(
         self,
         tables: Sequence[TableConfig],
@@ -119,17 +135,22 @@ class FusedEmbeddingBagCollection(nn.Module):
         stochastic_rounding: bool = True,
         seed: int | None = None,
         device: torch.device | str | None = None,
+        slices: Sequence[TableSlice] | None = None,
     ) -> None:
         super().__init__()
         self.tables = tuple(tables)
         self.feature_names = feature_order(self.tables)
         self.feature_dims = tuple(t.dim for t in self.tables for _ in t.feature_names)
-        self.optimizer = optimizer
+        self.slices = (
+            tuple(slices) if slices is not None else tuple(TableSlice(table=t) for t in self.tables)
+        )
+        if len(self.slices) != len(self.tables):
+            raise ValueError(f"{len(self.slices)} slices for {len(self.tables)} tables")
+        self.optimizer_spec = optimizer
         self.check_bounds = check_bounds
         self.deterministic = deterministic
         self.stochastic_rounding = stochastic_rounding
-        self.seed = 0 if seed is None else seed
-        self.learning_rate = optimizer.lr
+        self.seed = draw_seed() if seed is None else seed
         self.iteration = 0
         self._has_mean = any(t.pooling is PoolingMode.MEAN for t in self.tables)
         self._stores = plan_stores(self.tables, optimizer.kind)
@@ -145,7 +166,11 @@ class FusedEmbeddingBagCollection(nn.Module):
                 init = optimizer.initial_accumulator if store.state_names[k] == "sum" else 0.0
                 st = host_buffer(n, torch.float32, dev, fill=init)
                 self.register_buffer(f"_state_{s}_{k}", st, persistent=False)
-        self._init_weights(seed)
+        self._init_weights()
+        #: The optimizer object (``torch.optim`` surface) whose hyperparameters the
+        #: backward reads. A sharded collection replaces it by its own, shared by all
+        #: of its local modules.
+        self.fused_optimizer: FusedOptimizer = FusedOptimizer(optimizer, self)
 
     # -- layout helpers -----------------------------------------------------------------
 
@@ -177,29 +202,20 @@ class FusedEmbeddingBagCollection(nn.Module):
         return out
 
     @torch.no_grad()
-    def _init_weights(self, seed: int | None) -> None:
-        # Same draws, in the same order, as the reference EmbeddingBagCollection.
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        for i, t in enumerate(self.tables):
-            w = torch.empty(t.num_embeddings, t.dim).uniform_(-t.bound, t.bound, generator=gen)
+    def _init_weights(self) -> None:
+        # The same rows as every other collection and layout with this seed (init_rows).
+        step = 1 << 20
+        for i, (t, sl) in enumerate(zip(self.tables, self.slices)):
             dst = self._table_rows(i)
-            for r in range(0, t.num_embeddings, _INIT_CHUNK_ROWS):
-                chunk = w[r : r + _INIT_CHUNK_ROWS]
-                dst[r : r + _INIT_CHUNK_ROWS] = encode_rows(
-                    chunk, t.precision, stochastic=False
-                ).to(dst.device)
+            cols = (sl.col_start, sl.col_start + t.dim)
+            for r in range(0, t.num_embeddings, step):
+                stop = min(r + step, t.num_embeddings)
+                chunk = init_rows(
+                    sl.table, self.seed, sl.row_start + r, sl.row_start + stop, columns=cols
+                )
+                dst[r:stop] = encode_rows(chunk, t.precision, stochastic=False).to(dst.device)
 
     # -- the embedding-module protocol ----------------------------------------------------
-
-    def set_learning_rate(self, lr: float) -> None:
-        """Learning rate of the next backward passes (for schedules).
-
-        Raises:
-            ValueError: if ``lr`` is negative.
-        """
-        if lr < 0:
-            raise ValueError(f"learning rate must be >= 0, got {lr}")
-        self.learning_rate = float(lr)
 
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:
         """Pool every feature; output columns follow ``self.feature_names``.
@@ -217,9 +233,17 @@ class FusedEmbeddingBagCollection(nn.Module):
         )
         return PooledEmbeddings(self.feature_names, self.feature_dims, out)
 
-    def _lookup(
+    def pooled_lookup(
         self, values: torch.Tensor, lengths: torch.Tensor, psw: torch.Tensor | None
     ) -> torch.Tensor:
+        """``(B, sum D)`` pooled rows of key-major ``values``/``lengths`` in feature order.
+
+        The forward half of ``forward`` without autograd; a sharded layout calls it
+        directly when it runs its own backward (data-parallel tables).
+
+        Raises:
+            ValueError: for an out-of-range id (when ``check_bounds``).
+        """
         batch = lengths.numel() // len(self.feature_names)
         out = torch.empty(batch, sum(self.feature_dims), device=values.device)  # (B, sum D)
         for s, store in enumerate(self._stores):
@@ -254,19 +278,35 @@ class FusedEmbeddingBagCollection(nn.Module):
         if (s, dev) not in cache:
             store = self._stores[s]
             offs = [torch.tensor(x, dtype=torch.int64, device=dev) for x in store.state_offsets]
-            cache[(s, dev)] = (store.meta(self.tables, dev), offs)
+            cache[(s, dev)] = (store.meta(self.tables, self.slices, dev), offs)
         return cache[(s, dev)]
 
-    def _update(
+    def apply_gradients(
         self,
         grad_out: torch.Tensor,
         values: torch.Tensor,
         lengths: torch.Tensor,
         psw: torch.Tensor | None,
-        want_psw: bool,
+        *,
+        want_psw: bool = False,
     ) -> torch.Tensor | None:
-        o = self.optimizer
-        hparams = [self.learning_rate, o.eps, o.beta1, o.beta2, o.weight_decay]
+        """Update the rows of ``values`` with the gradient ``grad_out`` of their pooled bags.
+
+        The backward half of ``forward``: sums each touched row's gradient (duplicates in
+        position order) and applies ``fused_optimizer``'s rule in place.
+
+        Args:
+            grad_out: ``(B, sum D)`` gradient of the pooled output.
+            values: the ids the output was pooled from (key-major).
+            lengths: their bag lengths.
+            psw: their per-id weights, if any.
+            want_psw: also return the gradient of ``psw``.
+
+        Returns:
+            ``(N,)`` gradient of ``psw`` when ``want_psw``, else ``None``.
+        """
+        hparams = self.fused_optimizer.kernel_hparams()
+        kind = self.optimizer_spec.kind
         flags = [
             int(self.stochastic_rounding), self.seed, self.iteration,
             int(self.deterministic), int(want_psw),
@@ -277,7 +317,7 @@ class FusedEmbeddingBagCollection(nn.Module):
             g = ops.tbe_backward_update(
                 grad_out.contiguous(), self._storage(s), meta, values, lengths, psw,
                 self._states(s), offs,
-                o.kind.value, hparams, store.precision.value, flags,
+                kind.value, hparams, store.precision.value, flags,
             )  # fmt: skip
             if want_psw:
                 psw_grad = g if psw_grad is None else psw_grad + g
@@ -291,9 +331,46 @@ class FusedEmbeddingBagCollection(nn.Module):
             out[t.name] = decode_rows(self._table_rows(i), t.precision, t.dim)
         return out
 
-    def sparse_parameters(self) -> list[nn.Parameter]:
-        """Empty: the rows are updated in backward, no sparse optimizer is needed."""
-        return []
+    # -- the fused optimizer's state (FusedState) -------------------------------------------
+
+    def storages(self) -> list[torch.Tensor]:
+        """The flat row storages, one per row store."""
+        return [self._storage(s) for s in range(len(self._stores))]
+
+    def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``{table: {name: (rows, dim) or (rows,) FP32}}`` views of the optimizer state."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for i, t in enumerate(self.tables):
+            views = self._table_state(i)
+            out[t.name] = {k: v.squeeze(1) if v.shape[1] == 1 else v for k, v in views.items()}
+        return out
+
+    def load_optimizer_state(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Copy ``state`` (as ``optimizer_state`` returns it) into the module, bitwise.
+
+        Raises:
+            ValueError: for missing or unexpected tables or names, or another shape.
+        """
+        mine = self.optimizer_state()
+        if set(state) != set(mine):
+            raise ValueError(
+                f"optimizer state for tables {sorted(state)}, this module has {sorted(mine)}"
+            )
+        for table, names in mine.items():
+            given = state[table]
+            if set(given) != set(names):
+                raise ValueError(
+                    f"table {table!r}: optimizer state {sorted(given)}, expected {sorted(names)}"
+                )
+            for name, dst in names.items():
+                src = given[name]
+                if src.shape != dst.shape:
+                    raise ValueError(
+                        f"table {table!r} state {name!r}: expected {tuple(dst.shape)}, "
+                        f"got {tuple(src.shape)}"
+                    )
+                with torch.no_grad():
+                    dst.copy_(src)
 
     # -- state dict -----------------------------------------------------------------------
 
@@ -303,9 +380,6 @@ class FusedEmbeddingBagCollection(nn.Module):
         for i, t in enumerate(self.tables):
             rows = self._table_rows(i)
             destination[f"{prefix}weights.{t.name}"] = rows if keep_vars else rows.detach()
-            for name, st in self._table_state(i).items():
-                st = st.squeeze(1) if st.shape[1] == 1 else st
-                destination[f"{prefix}state.{t.name}.{name}"] = st if keep_vars else st.detach()
         # The stochastic-rounding stream position, so that a resumed run rounds the same.
         destination[f"{prefix}rounding"] = torch.tensor([self.seed, self.iteration])
 
@@ -319,11 +393,9 @@ class FusedEmbeddingBagCollection(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        expected = {}
-        for i, t in enumerate(self.tables):
-            expected[f"{prefix}weights.{t.name}"] = self._table_rows(i)
-            for name, st in self._table_state(i).items():
-                expected[f"{prefix}state.{t.name}.{name}"] = st
+        expected = {
+            f"{prefix}weights.{t.name}": self._table_rows(i) for i, t in enumerate(self.tables)
+        }
         for key, dst in expected.items():
             if key not in state_dict:
                 missing_keys.append(key)

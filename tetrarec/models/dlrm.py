@@ -60,7 +60,6 @@ class EmbeddingModule(Protocol):
 
     feature_names: tuple[str, ...]
     feature_dims: tuple[int, ...]
-    fused_optimizer: bool
 
     def __call__(self, features: SparseFeatures) -> PooledEmbeddings:
         """Pool every feature of ``features``."""
@@ -123,7 +122,7 @@ class DLRM(nn.Module):
         if not isinstance(embeddings, EmbeddingModule):
             raise TypeError(
                 f"{type(embeddings).__name__} does not follow tetrarec.models.EmbeddingModule "
-                "(feature_names, feature_dims, fused_optimizer, called on SparseFeatures)"
+                "(feature_names, feature_dims, called on SparseFeatures)"
             )
         dims = tuple(embeddings.feature_dims)
         names = tuple(embeddings.feature_names)

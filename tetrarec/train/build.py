@@ -22,12 +22,12 @@ from tetrarec.types import Precision
 
 __all__ = [
     "EMBEDDINGS",
-    "FusedEmbeddings",
     "RunParts",
     "SparseGradientEmbeddings",
     "build_embeddings",
     "build_parts",
     "build_tables",
+    "embedding_optimizer",
     "model_embeddings",
 ]
 
@@ -82,21 +82,35 @@ def build_embeddings(config: RunConfig, tables: tuple[TableConfig, ...]) -> nn.M
 
 
 # The embedding module is an nn.Module attribute of the model, so its static type says
-# nothing of the protocol; training narrows it with isinstance on these protocols.
-@runtime_checkable
-class FusedEmbeddings(EmbeddingModule, Protocol):
-    """An embedding module that applies its sparse optimizer in its own backward."""
-
-    def set_learning_rate(self, lr: float) -> None:
-        """Set the learning rate of the next backward passes."""
-
-
+# nothing of the protocol; training narrows it with isinstance on this protocol.
 @runtime_checkable
 class SparseGradientEmbeddings(EmbeddingModule, Protocol):
-    """An embedding module that names its sparse-gradient parameters (none if fused)."""
+    """An embedding module whose tables get sparse gradients (the reference collection)."""
 
     def sparse_parameters(self) -> list[nn.Parameter]:
         """Return the parameters a separate sparse optimizer updates."""
+
+
+def embedding_optimizer(embeddings: nn.Module, spec: SparseOptimizerSpec) -> torch.optim.Optimizer:
+    """The optimizer of the tables of ``embeddings``.
+
+    A fused module (unsharded or sharded) brings its own (``fused_optimizer``: the rows
+    are updated in its backward); for the reference collection a sparse-gradient
+    ``torch.optim`` optimizer is built from ``spec``. Either way the trainer drives it
+    like the dense one.
+
+    Raises:
+        TypeError: if the module has neither a fused optimizer nor sparse parameters.
+    """
+    fused = getattr(embeddings, "fused_optimizer", None)
+    if isinstance(fused, torch.optim.Optimizer):
+        return fused
+    if not isinstance(embeddings, SparseGradientEmbeddings):
+        raise TypeError(
+            f"{type(embeddings).__name__} has no fused_optimizer and no sparse_parameters() "
+            "for a separate one"
+        )
+    return build_sparse_optimizer(spec, list(embeddings.sparse_parameters()))
 
 
 def model_embeddings(model: DLRM) -> EmbeddingModule:
@@ -120,26 +134,38 @@ class RunParts:
     Args:
         model: the DLRM (its embedding module is ``model.embeddings``).
         dense_optimizer: updates the parameters outside the embedding module.
-        sparse_optimizer: updates the tables; ``None`` when the embedding module
-            applies its own update in backward (``fused_optimizer``).
+        sparse_optimizer: updates the tables (``embedding_optimizer``): a fused module's
+            own optimizer object, or a sparse-gradient one.
+        forward: what the training step calls: the model itself, or the model wrapped
+            for data-parallel dense layers (``DistributedDataParallel``) when sharded.
+            ``None`` means ``model``.
     """
 
     model: DLRM
     dense_optimizer: torch.optim.Optimizer
-    sparse_optimizer: torch.optim.Optimizer | None
+    sparse_optimizer: torch.optim.Optimizer
+    forward: nn.Module | None = None
+
+    @property
+    def optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+        """``(dense, sparse)``."""
+        return self.dense_optimizer, self.sparse_optimizer
+
+    @property
+    def step_model(self) -> nn.Module:
+        """The module a training step calls (``forward``, or the model)."""
+        return self.forward if self.forward is not None else self.model
 
     def backward_and_step(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` and step both optimizers.
 
-        A fused embedding module updates its rows during the backward pass itself.
+        A fused embedding module updates its rows during the backward pass itself (its
+        optimizer's ``step`` has nothing left to do).
         """
-        optimizers = [self.dense_optimizer]
-        if self.sparse_optimizer is not None:
-            optimizers.append(self.sparse_optimizer)
-        for opt in optimizers:
+        for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         torch.autograd.backward(loss)  # loss.backward(), which torch leaves unannotated
-        for opt in optimizers:
+        for opt in self.optimizers:
             opt.step()
 
 
@@ -162,13 +188,5 @@ def build_parts(config: RunConfig, *, num_dense: int) -> RunParts:
     embeddings = build_embeddings(config, build_tables(config.model))
     model = build_model(config.model.dlrm, embeddings)
     dense_opt = build_dense_optimizer(config.optim, list(model.dense_parameters()))
-    sparse_opt = None
-    if not getattr(embeddings, "fused_optimizer", False):
-        if not isinstance(embeddings, SparseGradientEmbeddings):
-            raise TypeError(
-                f"{type(embeddings).__name__} applies no fused optimizer and has no "
-                "sparse_parameters() for a separate one"
-            )
-        sparse_params = list(embeddings.sparse_parameters())
-        sparse_opt = build_sparse_optimizer(config.optim.sparse, sparse_params)
+    sparse_opt = embedding_optimizer(embeddings, config.optim.sparse)
     return RunParts(model=model, dense_optimizer=dense_opt, sparse_optimizer=sparse_opt)

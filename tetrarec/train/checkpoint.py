@@ -43,7 +43,7 @@ __all__ = [
     "write_checkpoint",
 ]
 
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2  # 2: fused optimizer state under sparse_optim, keyed by table
 _TENSORS = "tensors.safetensors"
 _META = "meta.json"
 _NAME = re.compile(r"^step_(\d{8,})$")
@@ -162,32 +162,36 @@ def flatten_optimizer_state(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Split a ``torch.optim`` state dict into named tensors and a JSON part.
 
-    Tensors become ``"<prefix>.<param index>.<name>"``; non-tensor state values and
-    the parameter groups go to the JSON part.
+    Tensors become ``"<prefix>.<key>.<name>"``, where the key is a parameter index
+    (``torch.optim``) or a table name (a fused optimizer); non-tensor state values and
+    the parameter groups go to the JSON part, which also records the keys' kind.
     """
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
+    string_keys = any(isinstance(k, str) for k in state_dict["state"])
     for idx, entry in state_dict["state"].items():
         for name, value in entry.items():
             if isinstance(value, torch.Tensor):
                 tensors[f"{prefix}.{idx}.{name}"] = value
             else:
                 scalars.setdefault(str(idx), {})[name] = value
-    return tensors, {"scalars": scalars, "param_groups": state_dict["param_groups"]}
+    extra = {"scalars": scalars, "param_groups": state_dict["param_groups"]}
+    return tensors, {**extra, "string_keys": string_keys}
 
 
 def unflatten_optimizer_state(
     tensors: dict[str, torch.Tensor], extra: dict[str, Any], prefix: str
 ) -> dict[str, Any]:
     """Inverse of ``flatten_optimizer_state``: a state dict for ``load_state_dict``."""
-    state: dict[int, dict[str, Any]] = {}
+    state: dict[int | str, dict[str, Any]] = {}
     head = prefix + "."
+    as_key = str if extra.get("string_keys") else int
     for key, value in tensors.items():
         if key.startswith(head):
             idx, name = key[len(head) :].split(".", 1)
-            state.setdefault(int(idx), {})[name] = value
+            state.setdefault(as_key(idx), {})[name] = value
     for idx, entry in extra["scalars"].items():
-        state.setdefault(int(idx), {}).update(entry)
+        state.setdefault(as_key(idx), {}).update(entry)
     groups = [_tuples_back(g) for g in extra["param_groups"]]
     return {"state": state, "param_groups": groups}
 

@@ -35,13 +35,7 @@ from tqdm import tqdm
 from tetrarec.config import RunConfig, TrainConfig
 from tetrarec.data import BatchLoader, build_datasets
 from tetrarec.sparse import Batch
-from tetrarec.train.build import (
-    FusedEmbeddings,
-    RunParts,
-    build_parts,
-    build_tables,
-    model_embeddings,
-)
+from tetrarec.train.build import RunParts, build_parts, build_tables, model_embeddings
 from tetrarec.train.checkpoint import latest_checkpoint
 from tetrarec.train.evaluate import evaluate
 from tetrarec.train.metrics import Metrics
@@ -251,14 +245,8 @@ class _Run:
         parts, optim = self.parts, self.config.optim
         scale = lr_scale(self.step, optim)
         set_learning_rate(parts.dense_optimizer, optim.dense_lr * scale)
-        if parts.sparse_optimizer is not None:
-            set_learning_rate(parts.sparse_optimizer, optim.sparse.lr * scale)
-        else:
-            embeddings = parts.model.embeddings
-            # build_parts leaves out the sparse optimizer only for a fused module.
-            assert isinstance(embeddings, FusedEmbeddings)
-            embeddings.set_learning_rate(optim.sparse.lr * scale)
-        logits = parts.model(batch.dense, batch.sparse)  # (B,)
+        set_learning_rate(parts.sparse_optimizer, optim.sparse.lr * scale)
+        logits = parts.step_model(batch.dense, batch.sparse)  # (B,)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
         value = float(loss.detach())
         if not math.isfinite(value):

@@ -12,8 +12,9 @@ adam               ``torch.optim.SparseAdam``
 rowwise_adagrad    ``RowWiseAdagrad`` (below): one accumulator value per row
 =================  ==========================================================
 
-A fused embedding module (``fused_optimizer = True``) updates its rows in backward and
-gets no optimizer from here.
+A fused embedding module updates its rows in backward and brings its own optimizer
+object (``fused_optimizer``, see ``tetrarec.kernels.FusedOptimizer``); it gets none from
+here.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ Tensor names in ``tensors.safetensors``::
     embedding.<name>          ``model.embeddings.state_dict()`` (a fused module's state
                               dict includes its optimizer state)
     dense_optim.<i>.<name>    dense optimizer state per parameter index
-    sparse_optim.<i>.<name>   sparse optimizer state (reference embedding only)
+    sparse_optim.<k>.<name>   the tables' optimizer state: ``<k>`` is the table name for a
+                              fused module's optimizer, the parameter index for the
+                              reference embedding's sparse-gradient optimizer
     rng.torch|numpy|python    RNG states
 
 ``meta.json`` holds the step, the data position (the global batch number the next step
@@ -72,10 +74,9 @@ def save_run_state(
         "dense_optim": dense_j,
         **(extra_meta or {}),
     }
-    if parts.sparse_optimizer is not None:
-        sp_t, sp_j = flatten_optimizer_state(parts.sparse_optimizer.state_dict(), "sparse_optim")
-        tensors.update(sp_t)
-        meta["sparse_optim"] = sp_j
+    sp_t, sp_j = flatten_optimizer_state(parts.sparse_optimizer.state_dict(), "sparse_optim")
+    tensors.update(sp_t)
+    meta["sparse_optim"] = sp_j
     bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(v.isfinite().all())]
     if bad:
         raise NonFiniteStateError(
@@ -135,14 +136,14 @@ def load_run_state(path: str | Path, parts: RunParts) -> tuple[int, int]:
     parts.dense_optimizer.load_state_dict(
         unflatten_optimizer_state(data.tensors, data.meta["dense_optim"], "dense_optim")
     )
-    if (parts.sparse_optimizer is None) != ("sparse_optim" not in data.meta):
-        raise ValueError(
-            f"{path}: the checkpoint was written with a different embedding module "
-            f"(sparse optimizer state present: {'sparse_optim' in data.meta})"
-        )
-    if parts.sparse_optimizer is not None:
+    try:
         parts.sparse_optimizer.load_state_dict(
             unflatten_optimizer_state(data.tensors, data.meta["sparse_optim"], "sparse_optim")
         )
+    except (KeyError, ValueError) as e:
+        raise ValueError(
+            f"{path}: the tables' optimizer state does not fit this run (was it written with "
+            f"another embedding module or optimizer?): {e}"
+        ) from e
     restore_rng_state(data.tensors, data.meta["rng"])
     return data.step, int(data.meta["data_position"])

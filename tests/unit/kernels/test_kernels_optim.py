@@ -115,10 +115,10 @@ def test_fp32_matches_dense_reference(kernel_path, name, weight_decay):
     ref_w, ref_state = run_dense(w0, spec, Precision.FP32)
     assert not torch.equal(ref_w, w0)
     torch.testing.assert_close(ebc.table_weights()["t"], ref_w, rtol=1e-5, atol=1e-6)
-    sd = ebc.state_dict()
+    sd = ebc.fused_optimizer.state_dict()["state"]["t"]
     for key in state_layout(spec.kind, DIM):
         ref = torch.as_tensor(ref_state[key], dtype=torch.float32)
-        got = sd[f"state.t.{key}"]
+        got = sd[key]
         ref = ref.expand(ROWS, -1) if ref.dim() == 2 else ref.expand(ROWS)
         torch.testing.assert_close(got, ref.reshape(got.shape), rtol=1e-5, atol=1e-6)
 
@@ -160,11 +160,27 @@ def test_learning_rate_schedule_applies_to_the_next_backward(kernel_path):
     ebc = FusedEmbeddingBagCollection([table], SparseOptimizerSpec(kind="sgd", lr=1.0), seed=2)
     sf = SparseFeatures.from_lists({"t": [[1]]})
     w = ebc.table_weights()["t"].clone()
-    ebc.set_learning_rate(0.0)
+    group = ebc.fused_optimizer.param_groups[0]
+    group["lr"] = 0.0
     ebc(sf).values.sum().backward()
     assert torch.equal(ebc.table_weights()["t"], w)
-    ebc.set_learning_rate(0.5)
+    group["lr"] = 0.5
     ebc(sf).values.sum().backward()
     torch.testing.assert_close(ebc.table_weights()["t"][1], w[1] - 0.5)
+    group["lr"] = -1.0
     with pytest.raises(ValueError, match="-1"):
-        ebc.set_learning_rate(-1.0)
+        ebc(sf).values.sum().backward()
+
+
+def test_a_torch_lr_scheduler_drives_the_fused_optimizer(kernel_path):
+    """Bug caught: the backward reading its lr from anywhere but the optimizer's group."""
+    table = TableConfig(name="t", num_embeddings=4, dim=3)
+    ebc = FusedEmbeddingBagCollection([table], SparseOptimizerSpec(kind="sgd", lr=1.0), seed=2)
+    sched = torch.optim.lr_scheduler.LambdaLR(ebc.fused_optimizer, lambda step: 0.25 * (step + 1))
+    sf = SparseFeatures.from_lists({"t": [[1]]})
+    for expected_lr in (0.25, 0.5):
+        w = ebc.table_weights()["t"][1].clone()
+        ebc(sf).values.sum().backward()
+        ebc.fused_optimizer.step()
+        sched.step()
+        torch.testing.assert_close(ebc.table_weights()["t"][1], w - expected_lr)

@@ -119,16 +119,24 @@ def test_state_dict_layout_and_bitwise_round_trip(kernel_path):
     fused = FusedEmbeddingBagCollection(MIXED, ADAM, seed=0)
     train(fused, 2)
     sd = {k: v.clone() for k, v in fused.state_dict().items()}
+    osd = fused.fused_optimizer.state_dict()
+    opt_state = {t: {k: v.clone() for k, v in s.items()} for t, s in osd["state"].items()}
     assert sd["weights.a"].shape == (40, 8)
     assert sd["weights.a"].dtype == torch.float16
     assert sd["weights.b"].shape == (11, Precision.INT8.row_bytes(3))
     assert sd["weights.b"].dtype == torch.uint8
-    assert sd["state.e.exp_avg"].shape == (9, 4)
-    assert sd["state.e.step"].shape == (9,)
+    assert not any(k.startswith("state.") for k in sd)  # the optimizer holds the state
+    assert opt_state["e"]["exp_avg"].shape == (9, 4)
+    assert opt_state["e"]["step"].shape == (9,)
+    assert osd["param_groups"][0]["kind"] == "adam"
     other = FusedEmbeddingBagCollection(MIXED, ADAM, seed=99)
     other.load_state_dict(sd)
+    other.fused_optimizer.load_state_dict({"state": opt_state, "param_groups": osd["param_groups"]})
     for k, v in other.state_dict().items():
         assert torch.equal(v, sd[k]), k
+    for t, names in other.fused_optimizer.state_dict()["state"].items():
+        for k, v in names.items():
+            assert torch.equal(v, opt_state[t][k]), (t, k)
     other.seed, other.iteration = fused.seed, fused.iteration  # same rounding stream
     assert all(torch.equal(x, y) for x, y in zip(train(fused, 2, 7), train(other, 2, 7)))
 
@@ -203,11 +211,10 @@ def test_forced_reference_mode_and_bad_mode(monkeypatch):
 
 def test_module_protocol():
     fused = FusedEmbeddingBagCollection(TABLES, ADAM, seed=0)
-    assert fused.fused_optimizer is True
+    assert isinstance(fused.fused_optimizer, torch.optim.Optimizer)
     assert fused.feature_names == ("f0", "f1", "b", "c")
     assert fused.feature_dims == (8, 8, 3, 16)
     assert list(fused.parameters()) == []
-    assert fused.sparse_parameters() == []
     with torch.no_grad():  # evaluation: no update
         out = fused(random_features(0)).values
     assert not out.requires_grad
@@ -273,10 +280,18 @@ def test_resumed_low_precision_training_rounds_the_same(kernel_path, precision):
     for s in range(2):
         step(first, s)
     saved = {k: v.clone() for k, v in first.state_dict().items()}
+    saved_opt = first.fused_optimizer.state_dict()
+    saved_opt["state"] = {
+        t: {k: v.clone() for k, v in s.items()} for t, s in saved_opt["state"].items()
+    }
     resumed = FusedEmbeddingBagCollection(tables, ADAM, seed=99)
     resumed.load_state_dict(saved)
+    resumed.fused_optimizer.load_state_dict(saved_opt)
     assert resumed.iteration == first.iteration
     for s in range(2, 4):
         step(resumed, s)
     for key, value in straight.state_dict().items():
         assert torch.equal(resumed.state_dict()[key], value), key
+    for t, names in straight.fused_optimizer.state_dict()["state"].items():
+        for k, v in names.items():
+            assert torch.equal(resumed.fused_optimizer.state_dict()["state"][t][k], v), (t, k)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from tetrarec.train.checkpoint import (
+    CHECKPOINT_FORMAT,
     CheckpointData,
     capture_rng_state,
     flatten_optimizer_state,
@@ -36,7 +37,7 @@ def test_write_read_round_trip_and_no_pickle(tmp_path) -> None:
     assert back.step == 5
     assert torch.equal(back.tensors["w"], torch.full((2, 3), 5.0))
     assert back.meta["k"] == [1, 2]
-    assert json.loads((path / "meta.json").read_text())["format"] == 1
+    assert json.loads((path / "meta.json").read_text())["format"] == CHECKPOINT_FORMAT
 
 
 def test_crash_before_rename_leaves_no_complete_looking_checkpoint(tmp_path, monkeypatch) -> None:

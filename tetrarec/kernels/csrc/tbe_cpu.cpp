@@ -40,15 +40,16 @@ inline float uniform01(uint64_t key, int64_t d) {
   return (mix64(key ^ (static_cast<uint64_t>(d) * 0xD1B54A32D192ED03ULL)) >> 40) * (1.0f / 16777216.0f);
 }
 
-// 16 random bits per element of a row: a 32-bit counter-based hash of (row key, element),
-// written so that the compiler vectorizes it (8 lanes with AVX2).
-inline const uint16_t* random16(uint64_t key, int64_t D) {
+// 16 random bits per element of a row: a 32-bit counter-based hash of (row key, global
+// column col0 + d), written so that the compiler vectorizes it (8 lanes with AVX2).
+// reference.rounding_noise computes the same bits.
+inline const uint16_t* random16(uint64_t key, int64_t D, int64_t col0) {
   thread_local std::vector<uint16_t> r;
   if (static_cast<int64_t>(r.size()) < D) r.resize(D);
   const uint32_t lo = static_cast<uint32_t>(key), hi = static_cast<uint32_t>(key >> 32);
   uint16_t* out = r.data();
   for (int64_t d = 0; d < D; ++d) {
-    uint32_t z = lo + static_cast<uint32_t>(d) * 0x9E3779B9u;
+    uint32_t z = lo + static_cast<uint32_t>(col0 + d) * 0x9E3779B9u;
     z ^= z >> 16;
     z *= 0x85EBCA6Bu;
     z ^= z >> 13;
@@ -119,7 +120,7 @@ struct F32 {
     for (int64_t d = 0; d < D; ++d) acc[d] += w * p[d];
   }
   static void load(const uint8_t* r, int64_t D, float* dst) { std::memcpy(dst, r, D * 4); }
-  static void store(uint8_t* r, int64_t D, const float* src, bool, uint64_t) {
+  static void store(uint8_t* r, int64_t D, const float* src, bool, uint64_t, int64_t) {
     std::memcpy(r, src, D * 4);
   }
 };
@@ -134,7 +135,7 @@ struct F16 {
     load(r, D, tmp);
     for (int64_t d = 0; d < D; ++d) acc[d] += w * tmp[d];
   }
-  static void store(uint8_t* r, int64_t D, const float* src, bool sr, uint64_t key) {
+  static void store(uint8_t* r, int64_t D, const float* src, bool sr, uint64_t key, int64_t col0) {
     uint16_t* p = reinterpret_cast<uint16_t*>(r);
     int64_t d = 0;
 #if defined(__F16C__)
@@ -146,7 +147,7 @@ struct F16 {
       // Normal FP16 range: add 13 random bits below FP16's last mantissa bit, then
       // truncate (round toward zero). Subnormal range (|x| < 2^-14, fixed spacing
       // 2^-24): floor(|x| * 2^24 + u) * 2^-24, which FP16 holds exactly. Both unbiased.
-      const uint16_t* rnd = random16(key, D);
+      const uint16_t* rnd = random16(key, D, col0);
       for (; d + 8 <= D; d += 8) {
         alignas(32) float noisy[8];
         for (int k = 0; k < 8; ++k) {
@@ -162,7 +163,7 @@ struct F16 {
     }
 #endif
     for (; d < D; ++d)
-      p[d] = round16<half_bits, half_value>(src[d], sr, sr ? uniform01(key, d) : 0.f);
+      p[d] = round16<half_bits, half_value>(src[d], sr, sr ? uniform01(key, col0 + d) : 0.f);
   }
 };
 
@@ -178,14 +179,14 @@ struct BF16 {
     load(r, D, tmp);
     for (int64_t d = 0; d < D; ++d) acc[d] += w * tmp[d];
   }
-  static void store(uint8_t* r, int64_t D, const float* src, bool sr, uint64_t key) {
+  static void store(uint8_t* r, int64_t D, const float* src, bool sr, uint64_t key, int64_t col0) {
     uint16_t* p = reinterpret_cast<uint16_t*>(r);
     if (!sr) {
       for (int64_t d = 0; d < D; ++d) p[d] = bf16_bits(src[d]);
       return;
     }
     // Add 16 random bits below BF16's last mantissa bit and truncate: unbiased.
-    const uint16_t* rnd = random16(key, D);
+    const uint16_t* rnd = random16(key, D, col0);
     for (int64_t d = 0; d < D; ++d) {
       const uint32_t u = bits_of(src[d]);
       const bool finite = (u & 0x7F800000u) != 0x7F800000u;
@@ -220,7 +221,7 @@ struct IntRow {
     load(r, D, tmp);
     for (int64_t d = 0; d < D; ++d) acc[d] += w * tmp[d];
   }
-  static void store(uint8_t* r, int64_t D, const float* src, bool sr, uint64_t key) {
+  static void store(uint8_t* r, int64_t D, const float* src, bool sr, uint64_t key, int64_t col0) {
     float lo = src[0], hi = src[0];
     for (int64_t d = 1; d < D; ++d) {
       lo = std::min(lo, src[d]);
@@ -230,7 +231,7 @@ struct IntRow {
     float s = half_value(sb[0]), b = half_value(sb[1]);
     float inv = s > 0 ? 1.0f / s : 0.0f;
     std::memset(r, 0, width(D));
-    const uint16_t* rnd = sr ? random16(key, D) : nullptr;
+    const uint16_t* rnd = sr ? random16(key, D, col0) : nullptr;
     for (int64_t d = 0; d < D; ++d) {
       float q = (src[d] - b) * inv;
       q = sr ? std::floor(q + (static_cast<float>(rnd[d]) + 0.5f) * (1.0f / 65536.0f))
@@ -248,18 +249,20 @@ struct IntRow {
 
 struct Meta {
   const int64_t *w_off, *dims, *rows, *row_off, *feat_table, *feat_cols, *feat_mean;
+  const int64_t *row_keys, *col_starts;  // stochastic rounding: global row key, column
   int64_t T, F, max_dim;
 };
 
 Meta read_meta(const std::vector<at::Tensor>& meta) {
-  TORCH_CHECK(meta.size() == 7, "tetrarec tbe: meta needs 7 tensors, got ", meta.size());
+  TORCH_CHECK(meta.size() == 9, "tetrarec tbe: meta needs 9 tensors, got ", meta.size());
   for (const auto& m : meta) {
     TORCH_CHECK(m.scalar_type() == at::kLong && m.is_contiguous() && m.device().is_cpu(),
                 "tetrarec tbe: meta tensors must be contiguous int64 on CPU");
   }
   Meta M{meta[0].data_ptr<int64_t>(), meta[1].data_ptr<int64_t>(), meta[2].data_ptr<int64_t>(),
          meta[3].data_ptr<int64_t>(), meta[4].data_ptr<int64_t>(), meta[5].data_ptr<int64_t>(),
-         meta[6].data_ptr<int64_t>(), meta[0].numel(), meta[4].numel(), 1};
+         meta[6].data_ptr<int64_t>(), meta[7].data_ptr<int64_t>(), meta[8].data_ptr<int64_t>(),
+         meta[0].numel(), meta[4].numel(), 1};
   for (int64_t t = 0; t < M.T; ++t) M.max_dim = std::max(M.max_dim, M.dims[t]);
   return M;
 }

@@ -389,8 +389,8 @@ void update_range(const UpdateCtx& C, int64_t k, int64_t k_end) {
     int nb = 0;
     for (; nb < kBatch && k < k_end; ++nb) {
       advance_prefetch();
-      rkeys[nb] = C.keys[k] >> 32;
       rps[nb] = locate(C.keys[k], &ts[nb], &rows[nb]);
+      rkeys[nb] = static_cast<uint64_t>(M.row_keys[ts[nb]]) + static_cast<uint64_t>(rows[nb]);
       Ds[nb] = M.dims[ts[nb]];
       Codec::load(rps[nb], Ds[nb], wp[nb]);
       sum_row_grads(C, &k, k_end, Ds[nb], wp[nb], ap[nb]);
@@ -402,7 +402,7 @@ void update_range(const UpdateCtx& C, int64_t k, int64_t k_end) {
     }
     for (int i = 0; i < nb; ++i)
       Codec::store(rps[i], Ds[i], wp[i], A.stochastic,
-                   mix64(A.seed ^ (rkeys[i] * 0xA24BAED4963EE407ULL)));
+                   mix64(A.seed ^ (rkeys[i] * 0xA24BAED4963EE407ULL)), M.col_starts[ts[i]]);
   }
 }
 
