@@ -1,0 +1,16 @@
+"""Collectives: the only package that calls ``torch.distributed`` (see ``collectives.py``)."""
+
+from tetrarec.comm.awaitable import Handle
+from tetrarec.comm.collectives import CollectiveError, CollectiveStats, Communicator
+from tetrarec.comm.process_group import LaunchInfo, destroy, init_from_env, launch_info
+
+__all__ = [
+    "CollectiveError",
+    "CollectiveStats",
+    "Communicator",
+    "Handle",
+    "LaunchInfo",
+    "destroy",
+    "init_from_env",
+    "launch_info",
+]
