@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tetrarec.comm import Communicator
-from tetrarec.testing import RankFailure, run_ranks
+from tetrarec.testing import RankFailedError, run_ranks
 from tetrarec.testing.comm_workers import collectives_worker, raising_worker, timeout_worker
 
 pytestmark = pytest.mark.distributed
@@ -34,12 +34,12 @@ def test_collectives_move_and_sum_rows_and_their_gradients(world):
 
 
 def test_a_failing_rank_fails_the_run_with_its_traceback():
-    with pytest.raises(RankFailure, match="rank 1 refuses"):
+    with pytest.raises(RankFailedError, match="rank 1 refuses"):
         run_ranks(raising_worker, world_size=2, timeout_s=60, collective_timeout_s=5)
 
 
 def test_a_missing_rank_times_out_with_a_clear_error():
-    with pytest.raises(RankFailure, match=r"lonely-barrier.*timed out|timed out"):
+    with pytest.raises(RankFailedError, match=r"lonely-barrier.*timed out|timed out"):
         run_ranks(timeout_worker, world_size=2, timeout_s=60, collective_timeout_s=3)
 
 

@@ -3,6 +3,6 @@
 Nothing in ``tetrarec`` imports this package; tests and benchmarks do.
 """
 
-from tetrarec.testing.multiprocess import RankContext, RankFailure, run_ranks
+from tetrarec.testing.multiprocess import RankContext, RankFailedError, run_ranks
 
-__all__ = ["RankContext", "RankFailure", "run_ranks"]
+__all__ = ["RankContext", "RankFailedError", "run_ranks"]

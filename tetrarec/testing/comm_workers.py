@@ -22,14 +22,14 @@ def collectives_worker(ctx: RankContext) -> dict[str, Any]:
     y = comm.all_to_all_v(x, send_splits=send, recv_splits=recv, label="a2a").wait()
     out["a2a"] = y.detach().clone()
     # Backward: the gradient of each received row is its value; it goes back to the sender.
-    y.backward(y.detach() * 2)
+    torch.autograd.backward(y, y.detach() * 2)
     out["a2a_grad"] = x.grad.clone() if x.grad is not None else None
     # reduce_scatter_v: blocks of 1 + q rows; rank q gets the sum over ranks.
     splits = [1 + q for q in range(w)]
     z = torch.cat([torch.full((1 + q, 3), float(r + 1)) for q in range(w)]).requires_grad_()
     s = comm.reduce_scatter_v(z, splits=splits, label="rs").wait()
     out["rs"] = s.detach().clone()
-    s.backward(torch.full_like(s, float(r + 10)))
+    torch.autograd.backward(s, torch.full_like(s, float(r + 10)))
     out["rs_grad"] = z.grad.clone() if z.grad is not None else None
     # all_gather_v with sizes r + 1 and all_reduce.
     g = comm.all_gather_v(

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from tetrarec.comm import Communicator
 
-__all__ = ["RankContext", "RankFailure", "run_ranks"]
+__all__ = ["RankContext", "RankFailedError", "run_ranks"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class RankContext:
     comm: Communicator
 
 
-class RankFailure(RuntimeError):
+class RankFailedError(RuntimeError):
     """One or more ranks failed or timed out; the message holds their tracebacks."""
 
 
@@ -107,7 +107,7 @@ def run_ranks(
         collective_timeout_s: each collective's timeout.
 
     Raises:
-        RankFailure: if a rank raised (with its traceback), exited without a result,
+        RankFailedError: if a rank raised (with its traceback), exited without a result,
             or the deadline passed.
     """
     ctx = mp.get_context("spawn")
@@ -126,7 +126,7 @@ def run_ranks(
                     collective_timeout_s,
                     tuple(args),
                     results,
-                ),  # fmt: skip
+                ),
                 daemon=True,
             )
             for r in range(world_size)
@@ -153,13 +153,14 @@ def run_ranks(
         why = "timed out" if time.monotonic() >= deadline else "exited without a result"
         failures.append(f"ranks {missing} {why} (deadline {timeout_s:.0f} s)")
     if failures:
-        raise RankFailure("\n".join(failures))
+        raise RankFailedError("\n".join(failures))
     return [_from_wire(got[r][1]) for r in range(world_size)]
 
 
 def _to_wire(value: Any) -> Any:
-    """Tensors as (dtype, shape, bytes): by value, so no shared-memory file descriptor
-    has to outlive the rank that sent it.
+    """Tensors as (dtype, shape, bytes), sent by value.
+
+    So no shared-memory file descriptor has to outlive the rank that sent it.
     """
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu().contiguous()
