@@ -39,10 +39,10 @@ class TableConfig:
     init_bound: float | None = None
 
     def __post_init__(self) -> None:
-        if not self.name or any(c in self.name for c in "./@"):
+        if not self.name or "." in self.name:
             raise ValueError(
-                f"a table needs a name without '.', '/' or '@' (they separate the parts of "
-                f"checkpoint keys and shard names), got {self.name!r}"
+                f"a table needs a name without '.' (it separates the parts of checkpoint "
+                f"keys), got {self.name!r}"
             )
         if self.num_embeddings <= 0 or self.dim <= 0:
             raise ValueError(

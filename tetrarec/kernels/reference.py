@@ -31,6 +31,7 @@ __all__ = [
     "dot_interaction_forward",
     "pooled_forward",
     "rounding_noise",
+    "summed_row_gradients",
     "table_view",
 ]
 
@@ -185,6 +186,29 @@ def _sum_duplicates(
         uniq, inverse = torch.unique(ids, return_inverse=True)
     summed = torch.zeros(uniq.numel(), grads.shape[1], device=grads.device)
     return uniq, summed.index_add_(0, inverse, grads)
+
+
+def summed_row_gradients(
+    grad_out: torch.Tensor,
+    weights: torch.Tensor,
+    meta: list[torch.Tensor],
+    t: int,
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    precision: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Table ``t``'s touched rows ``(U,)`` (sorted) and their summed gradients ``(U, D)``.
+
+    The gradient ``backward_update`` applies (mean pooling and per-id weights included),
+    duplicates summed in position order; nothing is updated.
+    """
+    host = [m.tolist() for m in meta]
+    offsets = offsets_from_lengths(lengths.long())
+    ids, grads = _per_id_grads(
+        grad_out, weights, host, t, values, offsets, per_sample_weights, None, Precision(precision)
+    )
+    return _sum_duplicates(ids, grads, deterministic=True)
 
 
 def backward_update(

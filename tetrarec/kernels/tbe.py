@@ -49,10 +49,11 @@ from tetrarec.embedding import (
     feature_order,
     init_rows,
 )
-from tetrarec.kernels import ops
+from tetrarec.kernels import ops, reference
 from tetrarec.kernels.fused_optim import FusedOptimizer
 from tetrarec.kernels.layout import plan_stores
 from tetrarec.kernels.memory import host_buffer
+from tetrarec.kernels.optim_rules import state_layout
 from tetrarec.kernels.quant import decode_rows, encode_rows, row_width
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures, permute_keys
 from tetrarec.types import PoolingMode
@@ -324,6 +325,38 @@ class FusedEmbeddingBagCollection(nn.Module):
         self.iteration += 1
         return psw_grad
 
+    def row_gradients(
+        self,
+        table: int,
+        grad_out: torch.Tensor,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        psw: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the next ``apply_gradients`` would apply to table ``table``, without applying it.
+
+        Args:
+            table: the table's index in ``tables``.
+            grad_out: ``(B, sum D)`` gradient of the pooled output.
+            values: the ids (key-major, feature order).
+            lengths: their bag lengths.
+            psw: per-id weights, if any.
+
+        Returns:
+            ``(rows (U,), summed gradients (U, D), the rows' current values (U, D) FP32)``,
+            rows sorted.
+        """
+        s, _ = self._where[table]
+        store = self._stores[s]
+        meta, _ = self._cached_meta(s)
+        local = store.tables.index(table)
+        uniq, grads = reference.summed_row_gradients(
+            grad_out, self._storage(s), meta, local, values, lengths, psw, store.precision.value
+        )
+        t = self.tables[table]
+        current = decode_rows(self._table_rows(table)[uniq], t.precision, t.dim)
+        return uniq, grads, current
+
     def table_weights(self) -> dict[str, torch.Tensor]:
         """``{table name: (rows, dim) FP32}``, dequantized for low-precision tables."""
         out = {}
@@ -339,10 +372,15 @@ class FusedEmbeddingBagCollection(nn.Module):
 
     def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """``{table: {name: (rows, dim) or (rows,) FP32}}`` views of the optimizer state."""
+        # Per-row state has width 1 whatever the dim (a dim-1 table's per-element state
+        # stays (rows, 1)).
+        per_row = {
+            k for k, width in state_layout(self.optimizer_spec.kind, 2).items() if width == 1
+        }
         out: dict[str, dict[str, torch.Tensor]] = {}
         for i, t in enumerate(self.tables):
             views = self._table_state(i)
-            out[t.name] = {k: v.squeeze(1) if v.shape[1] == 1 else v for k, v in views.items()}
+            out[t.name] = {k: v.squeeze(1) if k in per_row else v for k, v in views.items()}
         return out
 
     def load_optimizer_state(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:

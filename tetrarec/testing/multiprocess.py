@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import FileStore  # type: ignore[attr-defined]  # exported at run time only
 
 from tetrarec.comm import Communicator
 
@@ -73,7 +74,7 @@ def _child(
         torch.use_deterministic_algorithms(True)
         torch.manual_seed(rank)
         timeout = datetime.timedelta(seconds=collective_timeout_s)
-        store = dist.FileStore(store_path, world_size)
+        store = FileStore(store_path, world_size)
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
         )
@@ -111,7 +112,7 @@ def run_ranks(
             or the deadline passed.
     """
     ctx = mp.get_context("spawn")
-    results: queue.Queue[Any] = ctx.Queue()
+    results: Any = ctx.Queue()  # multiprocessing's queue (typeshed types it apart)
     with tempfile.TemporaryDirectory(prefix="tetrarec-ranks-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [

@@ -147,18 +147,28 @@ struct F16 {
       // Normal FP16 range: add 13 random bits below FP16's last mantissa bit, then
       // truncate (round toward zero). Subnormal range (|x| < 2^-14, fixed spacing
       // 2^-24): floor(|x| * 2^24 + u) * 2^-24, which FP16 holds exactly. Both unbiased.
+      // The tail of a row that is not a multiple of 8 goes through the same 8 lanes
+      // (zero-padded), so an element rounds the same wherever it sits in the row: a
+      // column block of a table rounds exactly as the whole table does.
       const uint16_t* rnd = random16(key, D, col0);
-      for (; d + 8 <= D; d += 8) {
-        alignas(32) float noisy[8];
-        for (int k = 0; k < 8; ++k) {
+      for (; d < D; d += 8) {
+        const int n = static_cast<int>(std::min<int64_t>(8, D - d));
+        alignas(32) float noisy[8] = {};
+        for (int k = 0; k < n; ++k) {
           const float x = src[d + k], a = std::fabs(x);
           const float u = (static_cast<float>(rnd[d + k]) + 0.5f) * (1.0f / 65536.0f);
           const float sub = std::copysign(std::floor(a * 16777216.0f + u) * 5.9604644775390625e-08f, x);
           const float nrm = float_of(bits_of(x) + (rnd[d + k] & 0x1FFFu));
           noisy[k] = a < 6.103515625e-05f ? sub : nrm;
         }
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(p + d),
-                         _mm256_cvtps_ph(_mm256_load_ps(noisy), _MM_FROUND_TO_ZERO));
+        const __m128i h = _mm256_cvtps_ph(_mm256_load_ps(noisy), _MM_FROUND_TO_ZERO);
+        if (n == 8) {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(p + d), h);
+        } else {
+          alignas(16) uint16_t lanes[8];
+          _mm_store_si128(reinterpret_cast<__m128i*>(lanes), h);
+          std::memcpy(p + d, lanes, n * sizeof(uint16_t));
+        }
       }
     }
 #endif

@@ -1,0 +1,35 @@
+"""Sharding: tables placed over ranks by a ``ShardingPlan``.
+
+Each group of tables that move alike runs input dist -> lookup -> output dist (see
+``sharded_collection.py``).
+
+One strategy per sharding type, each in its own module and registered by type in
+``STRATEGIES``; importing this package registers them all.
+"""
+
+from tetrarec.sharding import (  # noqa: F401  (each registers its strategy)
+    column_wise,
+    data_parallel,
+    row_wise,
+    table_column_wise,
+    table_row_wise,
+    table_wise,
+)
+from tetrarec.sharding.env import ShardingEnv
+from tetrarec.sharding.group import LookupOptions, ShardedGroup
+from tetrarec.sharding.plan import Shard, ShardingPlan, TablePlan
+from tetrarec.sharding.sharded_collection import ShardedEmbeddingBagCollection
+from tetrarec.sharding.strategy import STRATEGIES, PlacementContext, plan_by_type
+
+__all__ = [
+    "STRATEGIES",
+    "LookupOptions",
+    "PlacementContext",
+    "Shard",
+    "ShardedEmbeddingBagCollection",
+    "ShardedGroup",
+    "ShardingEnv",
+    "ShardingPlan",
+    "TablePlan",
+    "plan_by_type",
+]

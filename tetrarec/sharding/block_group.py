@@ -1,0 +1,294 @@
+"""``BlockGroup``: whole tables and column blocks (TW, CW, TWCW) on the ranks holding them.
+
+A table-wise table is one block holding every row and column; a column-wise table is
+several blocks of columns (``column_wise.py``). Both pool whole bags on the rank of the
+block, so one group serves both (``BlockGroup``)::
+
+    input dist    each rank sends every feature to each rank holding a block of its
+                  table (once per rank, whatever the blocks it holds)
+    lookup        the local fused kernels, one local table per run of adjacent blocks
+    output dist   an all-to-all of the pooled rows; the receiver puts each block's
+                  columns where they belong in the feature's embedding
+
+Worked example, 2 ranks, batch 1 per rank, table "t" (dim 4, feature "f") table-wise on
+rank 0, table "u" (dim 4, feature "g") column-wise, columns [0, 2) on rank 0, [2, 4) on
+rank 1::
+
+    R0: f [[1]], g [[7]]              R1: f [[2]], g [[8]]
+    input dist:  R0 receives f and g of both ranks: f [[1], [2]], g [[7], [8]]
+                 R1 receives g of both ranks: g [[7], [8]]
+    lookup:      R0 pools (2, 4 + 2): t[1] | u[7, 0:2] and t[2] | u[8, 0:2]
+                 R1 pools (2, 2):     u[7, 2:4] and u[8, 2:4]
+    output dist: R0 gets back t[1] | u[7, 0:2] from itself and u[7, 2:4] from R1:
+                 f = t[1], g = u[7]; R1 likewise gets f = t[2], g = u[8]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tetrarec.comm import Handle
+from tetrarec.embedding import TableConfig
+from tetrarec.sharding.env import ShardingEnv
+from tetrarec.sharding.group import LocalShard, LookupOptions, ShardedGroup, select_features
+from tetrarec.sharding.plan import TablePlan
+from tetrarec.sharding.routing import Outgoing, Routed, route_features, send_pooled
+from tetrarec.sparse import SparseFeatures
+from tetrarec.types import OptimizerKind
+
+__all__ = ["BlockGroup", "runs_by_rank"]
+
+
+def runs_by_rank(plan: TablePlan) -> dict[int, list[tuple[int, int]]]:
+    """Each rank's column runs of a table: its blocks, adjacent ones merged, by column."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for s in sorted(plan.shards, key=lambda s: s.cols[0]):
+        runs = out.setdefault(s.rank, [])
+        if runs and runs[-1][1] == s.cols[0]:
+            runs[-1] = (runs[-1][0], s.cols[1])
+        else:
+            runs.append(s.cols)
+    return out
+
+
+def _global(local_feature: str) -> str:
+    """The global feature of a local feature name (``f`` or ``f#k`` for the k-th run)."""
+    return local_feature.split("#")[0]
+
+
+def _local_name(table: str, k: int, cols: tuple[int, int], dim: int) -> str:
+    return table if cols == (0, dim) else f"{table}@c{cols[0]}"
+
+
+class BlockGroup(ShardedGroup):
+    """Whole tables and column blocks (TW, CW, TWCW): see the module docstring."""
+
+    def __init__(
+        self,
+        env: ShardingEnv,
+        tables: Sequence[tuple[TableConfig, TablePlan]],
+        options: LookupOptions,
+        *,
+        label: str,
+    ) -> None:
+        self.label = label
+        w = env.world_size
+        # Per rank: its local tables (runs) and the global features it receives.
+        shards_of: list[list[LocalShard]] = [[] for _ in range(w)]
+        receives: list[list[str]] = [[] for _ in range(w)]
+        for t, plan in tables:
+            for rank, runs in sorted(runs_by_rank(plan).items()):
+                for k, cols in enumerate(runs):
+                    names = tuple(f if k == 0 else f"{f}#{k}" for f in t.feature_names)
+                    shards_of[rank].append(
+                        LocalShard(
+                            name=_local_name(t.name, k, cols, t.dim),
+                            table=t,
+                            rows=(0, t.num_embeddings),
+                            cols=cols,
+                            feature_names=names,
+                            pooling=t.pooling,
+                        )
+                    )
+                receives[rank].extend(f for f in t.feature_names if f not in receives[rank])
+        self._across = RowwiseAcrossBlocks(env, tables, shards_of[env.rank], options)
+        super().__init__(env, tables, shards_of[env.rank], options)
+        self.receives = [tuple(r) for r in receives]
+        index = {f: i for i, f in enumerate(self.feature_names)}
+        self._send_index = [[index[f] for f in r] for r in self.receives]
+        mine = self.receives[env.rank]
+        self._local_index = [
+            mine.index(f.split("#")[0]) for s in self.shards for f in s.feature_names
+        ]
+        self._local_keys = [f for s in self.shards for f in s.feature_names]
+        # Columns: what each rank's pooled block holds, then where each goes in the output.
+        held: list[tuple[str, int]] = []
+        self.dims: list[int] = []
+        for rank in range(w):
+            block = [
+                (f.split("#")[0], c)
+                for s in shards_of[rank]
+                for f in s.feature_names
+                for c in range(*s.cols)
+            ]
+            held.extend(block)
+            self.dims.append(len(block))
+        where = {fc: j for j, fc in enumerate(held)}
+        order = [(f, c) for f, d in zip(self.feature_names, self.feature_dims) for c in range(d)]
+        perm = [where[fc] for fc in order]
+        self._identity = perm == list(range(len(perm)))
+        self.column_order = torch.tensor(perm, dtype=torch.int64, device=env.device)
+
+    def input_dist(self, features: SparseFeatures) -> Handle[Routed]:
+        """Send every rank the features of the blocks it holds."""
+        outgoing = []
+        for q in range(self.env.world_size):
+            sel = select_features(features, self._send_index[q], self.receives[q])
+            outgoing.append(Outgoing(sel.lengths, sel.values, sel.weights))
+        return route_features(
+            self.env.comm,
+            outgoing,
+            keys=self.receives[self.env.rank],
+            batch_size=features.batch_size,
+            error=self.bad_id(features),
+            group_features=self.feature_names,
+            label=f"input_dist/{self.label}",
+        )
+
+    def lookup(self, routed: Routed) -> torch.Tensor:
+        """The local kernels' pooled rows; row-wise state shared across column blocks."""
+        pooled = super().lookup(routed)
+        if not self._across.needed:
+            return pooled
+        features = self.local_features(routed.features) if self.local is not None else None
+        out = _AcrossBlocks.apply(pooled, self, features)  # type: ignore[no-untyped-call]  # torch leaves apply unannotated
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def local_features(self, received: SparseFeatures) -> SparseFeatures:
+        """One copy of a feature per run of its table on this rank."""
+        return select_features(received, self._local_index, self._local_keys)
+
+    def output_dist(self, pooled: torch.Tensor, routed: Routed) -> Handle[torch.Tensor]:
+        """All-to-all of pooled rows; columns reassembled in feature order."""
+        blocks = send_pooled(
+            self.env.comm,
+            pooled,
+            source_batches=routed.source_batches,
+            dims=self.dims,
+            label=f"output_dist/{self.label}",
+        )
+
+        def assemble(parts: list[torch.Tensor]) -> torch.Tensor:
+            joined = torch.cat(parts, dim=1)  # (B, sum of dims), rank-major
+            return joined if self._identity else joined.index_select(1, self.column_order)
+
+        return blocks.then(assemble)
+
+
+class RowwiseAcrossBlocks:
+    """Row-wise optimizer state of column-split tables, equal to the unsharded table's.
+
+    Row-wise Adagrad adds ``mean_d(g'_d^2)`` over the *whole* row to its one value per
+    row (row-wise Adam mixes it into its second moment), but each column block sees only
+    its own columns. Before the kernels update, each rank holding blocks of a split
+    table computes its blocks' share ``S_q = sum_d g'_d^2`` for every touched row (the
+    same rows on every holder: each gets every id of the table's features), the holders
+    exchange the shares (one all-to-all), and each adds to its row state what the
+    kernel's own block-local term will miss::
+
+        row-wise Adagrad:  s <- s + S_all / D - S_block / D_block
+        row-wise Adam:     v <- v + (1 - beta2) / beta2 * (S_all / D - S_block / D_block)
+
+    after which the kernel's update leaves ``s + S_all / D`` (resp. the Adam moment of
+    the whole row), as one process would (within rounding: the shares are summed in
+    rank order, not in column order).
+
+    Args:
+        env: where it runs.
+        tables: the group's tables and plans.
+        mine: this rank's local shards.
+        options: the optimizer.
+
+    Raises:
+        ValueError: for row-wise Adam with beta2 = 0 on a column-split table.
+    """
+
+    def __init__(
+        self,
+        env: ShardingEnv,
+        tables: Sequence[tuple[TableConfig, TablePlan]],
+        mine: Sequence[LocalShard],
+        options: LookupOptions,
+    ) -> None:
+        kind = options.optimizer.kind
+        rowwise = kind in (OptimizerKind.ROWWISE_ADAGRAD, OptimizerKind.ROWWISE_ADAM)
+        holders = {t.name: plan.ranks() for t, plan in tables if len(plan.shards) > 1}
+        self.needed = rowwise and bool(holders)
+        self.env = env
+        self.kind = kind
+        self.weight_decay = options.optimizer.weight_decay
+        self.beta2 = options.optimizer.beta2
+        if self.needed and kind is OptimizerKind.ROWWISE_ADAM and self.beta2 <= 0:
+            raise ValueError("row-wise Adam on column-split tables needs beta2 > 0")
+        self.dims = {t.name: t.dim for t, _ in tables}
+        self.holders = holders
+        #: Per split table this rank holds: the indices of its local tables.
+        self.local_runs: dict[str, list[int]] = {}
+        for i, s in enumerate(mine):
+            if s.table.name in holders:
+                self.local_runs.setdefault(s.table.name, []).append(i)
+        #: Per rank q: the split tables both q and this rank hold, in table order.
+        self.shared = [
+            [t for t in self.local_runs if q in holders[t]] for q in range(env.world_size)
+        ]
+
+    def adjust(
+        self, group: BlockGroup, grad: torch.Tensor, features: SparseFeatures | None
+    ) -> None:
+        """Add the other blocks' share to the row state of this step's touched rows."""
+        local = group.local
+        shares: dict[str, torch.Tensor] = {}
+        runs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # local table -> (rows, S)
+        if local is not None and features is not None:
+            for name, indices in self.local_runs.items():
+                total = None
+                for i in indices:
+                    rows, g, w = local.row_gradients(
+                        i, grad, features.values, features.lengths, features.weights
+                    )
+                    if self.weight_decay:
+                        g = g + self.weight_decay * w
+                    share = (g * g).sum(1)  # (U,)
+                    runs[i] = (rows, share)
+                    total = share if total is None else total + share
+                assert total is not None
+                shares[name] = total
+        comm = self.env.comm
+        send = [
+            torch.cat([shares[t] for t in ts]) if ts else grad.new_zeros(0) for ts in self.shared
+        ]
+        splits = [int(x.numel()) for x in send]
+        got = comm.all_to_all_v(
+            torch.cat(send), send_splits=splits, recv_splits=splits, label="backward/rowwise_blocks"
+        ).wait()
+        every: dict[str, torch.Tensor] = {}
+        for q, piece in enumerate(torch.split(got, splits)):  # rank order: fixed sum order
+            offset = 0
+            for t in self.shared[q]:
+                n = shares[t].numel()
+                part = piece[offset : offset + n]
+                every[t] = part if t not in every else every[t] + part
+                offset += n
+        if local is None:
+            return
+        state = local.optimizer_state()
+        for name, indices in self.local_runs.items():
+            for i in indices:
+                rows, share = runs[i]
+                d_block = local.tables[i].dim
+                delta = every[name] / self.dims[name] - share / d_block
+                key = "sum" if self.kind is OptimizerKind.ROWWISE_ADAGRAD else "exp_avg_sq"
+                if self.kind is OptimizerKind.ROWWISE_ADAM:
+                    delta = delta * ((1.0 - self.beta2) / self.beta2)
+                table_state = state[local.tables[i].name][key]
+                table_state.index_add_(0, rows, delta)
+
+
+class _AcrossBlocks(torch.autograd.Function):
+    """Identity forward; backward shares row-wise state across column blocks first."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, pooled: torch.Tensor, group: BlockGroup, features: SparseFeatures | None
+    ) -> torch.Tensor:
+        ctx.group, ctx.features = group, features
+        return pooled.view_as(pooled)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.group._across.adjust(ctx.group, grad.contiguous(), ctx.features)
+        return grad, None, None

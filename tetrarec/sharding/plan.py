@@ -1,0 +1,275 @@
+"""``ShardingPlan``: where every block of every table lives. Plain frozen data, JSON round trip.
+
+A plan is data: the planner (or a person, by hand) writes it, the sharded collection only
+reads it. Each table has a sharding type and its shards; a shard is a block of rows and
+columns on one rank::
+
+    {"world_size": 2, "local_world_size": 2,
+     "tables": [
+       {"table": "C1", "sharding": "table_wise",
+        "shards": [{"rank": 1, "rows": [0, 1000], "cols": [0, 64]}]},
+       {"table": "C2", "sharding": "row_wise",
+        "shards": [{"rank": 0, "rows": [0, 500], "cols": [0, 64]},
+                   {"rank": 1, "rows": [500, 999], "cols": [0, 64]}]},
+       {"table": "C3", "sharding": "column_wise",
+        "shards": [{"rank": 0, "rows": [0, 10], "cols": [0, 40]},
+                   {"rank": 1, "rows": [0, 10], "cols": [40, 64]}]},
+       {"table": "C4", "sharding": "data_parallel",
+        "shards": [{"rank": 0, "rows": [0, 10], "cols": [0, 64]},
+                   {"rank": 1, "rows": [0, 10], "cols": [0, 64]}]}]}
+
+``validate`` checks a plan against the tables (every table placed, blocks that tile the
+table exactly once, ranks inside the world, the sharding type's own rules, see
+``strategy.py``); ``fingerprint`` is the hash every rank compares before the first
+collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tetrarec.embedding import TableConfig
+from tetrarec.types import ShardingType
+
+__all__ = ["Shard", "ShardingPlan", "TablePlan"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shard:
+    """Rows ``[rows[0], rows[1])`` and columns ``[cols[0], cols[1])`` of a table on ``rank``."""
+
+    rank: int
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in the block."""
+        return self.rows[1] - self.rows[0]
+
+    @property
+    def dim(self) -> int:
+        """Columns in the block."""
+        return self.cols[1] - self.cols[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values."""
+        return {"rank": self.rank, "rows": list(self.rows), "cols": list(self.cols)}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Shard:
+        """Inverse of ``to_dict``.
+
+        Raises:
+            ValueError: on missing keys or malformed ranges.
+        """
+        try:
+            rows, cols = d["rows"], d["cols"]
+            shard = Shard(
+                rank=int(d["rank"]),
+                rows=(int(rows[0]), int(rows[1])),
+                cols=(int(cols[0]), int(cols[1])),
+            )
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise ValueError(f"bad shard {d!r}: needs rank, rows [a, b], cols [a, b]") from e
+        if not (0 <= shard.rows[0] < shard.rows[1] and 0 <= shard.cols[0] < shard.cols[1]):
+            raise ValueError(f"shard {d!r} has an empty or negative row or column range")
+        return shard
+
+
+@dataclass(frozen=True, kw_only=True)
+class TablePlan:
+    """One table's sharding type and shards."""
+
+    table: str
+    sharding: ShardingType
+    shards: tuple[Shard, ...]
+
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks holding a shard, in shard order, without repeats."""
+        return tuple(dict.fromkeys(s.rank for s in self.shards))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values."""
+        return {
+            "table": self.table,
+            "sharding": self.sharding.value,
+            "shards": [s.to_dict() for s in self.shards],
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardingPlan:
+    """Where each table's blocks live (see the module docstring).
+
+    Args:
+        world_size: ranks the plan was made for.
+        local_world_size: ranks per node (for table-row-wise and table-column-wise).
+        tables: one ``TablePlan`` per table.
+
+    Raises:
+        ValueError: on a bad world size or a table named twice.
+    """
+
+    world_size: int
+    local_world_size: int
+    tables: tuple[TablePlan, ...]
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.local_world_size < 1:
+            raise ValueError(f"bad plan world: {self.world_size} x {self.local_world_size}")
+        if self.world_size % self.local_world_size:
+            raise ValueError(
+                f"world size {self.world_size} is not a multiple of the ranks per node "
+                f"{self.local_world_size}"
+            )
+        names = [t.table for t in self.tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a table is planned twice: {names}")
+
+    def __iter__(self) -> Iterator[TablePlan]:
+        return iter(self.tables)
+
+    def table(self, name: str) -> TablePlan:
+        """The plan of table ``name``.
+
+        Raises:
+            KeyError: if the plan does not place it.
+        """
+        for t in self.tables:
+            if t.table == name:
+                return t
+        raise KeyError(f"the sharding plan has no table {name!r}")
+
+    # -- checks ---------------------------------------------------------------------------
+
+    def validate(self, tables: Sequence[TableConfig]) -> None:
+        """Check that the plan places exactly ``tables``, each by its type's rules.
+
+        Raises:
+            ValueError: naming the table and what is wrong.
+        """
+        from tetrarec.sharding.strategy import STRATEGIES  # the registry imports this module
+
+        by_name = {t.name: t for t in tables}
+        unknown = [t.table for t in self.tables if t.table not in by_name]
+        if unknown:
+            raise ValueError(
+                f"the sharding plan names tables {unknown} that the model does not have "
+                f"(its tables: {sorted(by_name)})"
+            )
+        missing = [n for n in by_name if n not in {t.table for t in self.tables}]
+        if missing:
+            raise ValueError(f"the sharding plan does not place tables {missing}")
+        for tp in self.tables:
+            bad = [s.rank for s in tp.shards if not 0 <= s.rank < self.world_size]
+            if bad:
+                raise ValueError(
+                    f"table {tp.table!r}: ranks {bad} are outside the plan's world size "
+                    f"{self.world_size}"
+                )
+            STRATEGIES[tp.sharding].validate(by_name[tp.table], tp, self)
+
+    def check_world(self, world_size: int, local_world_size: int) -> None:
+        """Refuse to run on another world than the plan's.
+
+        Raises:
+            ValueError: naming both worlds.
+        """
+        if (world_size, local_world_size) != (self.world_size, self.local_world_size):
+            raise ValueError(
+                f"the sharding plan was made for {self.world_size} ranks "
+                f"({self.local_world_size} per node), this run has {world_size} "
+                f"({local_world_size} per node): make a plan for this world"
+            )
+
+    # -- data -----------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (the JSON form)."""
+        return {
+            "world_size": self.world_size,
+            "local_world_size": self.local_world_size,
+            "tables": [t.to_dict() for t in self.tables],
+        }
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> ShardingPlan:
+        """Inverse of ``to_dict``.
+
+        Raises:
+            ValueError: on malformed values (the message names the table).
+        """
+        tables = []
+        for entry in d.get("tables", []):
+            name = entry.get("table", "?")
+            try:
+                sharding = ShardingType.parse(entry["sharding"])
+                shards = tuple(Shard.from_dict(s) for s in entry["shards"])
+            except (KeyError, ValueError) as e:
+                raise ValueError(f"sharding plan, table {name!r}: {e}") from e
+            tables.append(TablePlan(table=str(name), sharding=sharding, shards=shards))
+        try:
+            world, local = int(d["world_size"]), int(d.get("local_world_size", d["world_size"]))
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"sharding plan: bad or missing world_size ({e})") from e
+        return ShardingPlan(world_size=world, local_world_size=local, tables=tuple(tables))
+
+    def to_json(self) -> str:
+        """Indented JSON."""
+        return json.dumps(self.to_dict(), indent=1)
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as JSON."""
+        Path(path).write_text(self.to_json() + "\n")
+
+    @staticmethod
+    def load(path: str | Path) -> ShardingPlan:
+        """Read a plan written by ``save`` (or by hand).
+
+        Raises:
+            ValueError: if the file is not a valid plan (naming the file).
+            FileNotFoundError: if it does not exist.
+        """
+        try:
+            return ShardingPlan.from_dict(json.loads(Path(path).read_text()))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON: {e}") from e
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
+
+    def fingerprint(self) -> str:
+        """A short hash of the plan (the same on every rank for the same plan)."""
+        canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+    def describe(self, tables: Sequence[TableConfig] = ()) -> str:
+        """A table a person can read: each table's type and blocks, then bytes per rank.
+
+        Args:
+            tables: the table configs, for the per-rank bytes (weights only).
+        """
+        sizes = {t.name: t for t in tables}
+        lines = [f"sharding plan: {self.world_size} ranks, {self.local_world_size} per node"]
+        lines.append(f"{'table':<16} {'type':<18} shards (rank: rows x cols)")
+        per_rank = [0] * self.world_size
+        for tp in self.tables:
+            blocks = ", ".join(
+                f"{s.rank}: [{s.rows[0]},{s.rows[1]})x[{s.cols[0]},{s.cols[1]})" for s in tp.shards
+            )
+            lines.append(f"{tp.table:<16} {tp.sharding.value:<18} {blocks}")
+            t = sizes.get(tp.table)
+            if t is not None:
+                for s in tp.shards:
+                    per_rank[s.rank] += s.num_rows * t.precision.row_bytes(s.dim)
+        if tables:
+            lines.append(
+                "weights per rank: "
+                + ", ".join(f"{r}: {b / 2**20:.1f} MiB" for r, b in enumerate(per_rank))
+            )
+        return "\n".join(lines)

@@ -1,0 +1,247 @@
+"""Row-wise (RW): each table split by rows over every rank; partial sums reduced back.
+
+Rank ``k`` of ``W`` holds rows ``split_evenly(rows, W)[k]`` of every row-wise table (the
+first ``rows % W`` ranks hold one extra row). ``RowGroup`` also runs table-row-wise
+tables, whose row blocks sit on the ranks of one node only::
+
+    input dist    each id goes to the rank whose rows hold it, as a local row
+                  (id - first row of that block); a bag is split into one piece per
+                  rank, possibly empty
+    lookup        the local fused kernels sum each piece (row blocks always sum)
+    output dist   the partial sums go back to the samples' owner, which adds them in
+                  rank order (a reduce-scatter; an all-to-all plus sum where the ranks
+                  hold different tables); mean pooling divides by the whole bag's length
+
+Worked example (a table of 10 rows over 3 ranks): rank 0 owns rows [0, 4), rank 1
+[4, 7), rank 2 [7, 10). A bag {2, 5, 9} on rank 0 is bucketized into {2} for rank 0,
+{5 - 4 = 1} for rank 1 and {9 - 7 = 2} for rank 2; each rank pools its piece, and the
+reduce-scatter sums the three partial vectors back on rank 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tetrarec.comm import Handle
+from tetrarec.embedding import TableConfig
+from tetrarec.sharding.env import ShardingEnv
+from tetrarec.sharding.group import LocalShard, LookupOptions, ShardedGroup
+from tetrarec.sharding.plan import Shard, ShardingPlan, TablePlan
+from tetrarec.sharding.routing import Outgoing, Routed, route_features, send_pooled
+from tetrarec.sharding.strategy import PlacementContext, check_tiling, register, split_evenly
+from tetrarec.sparse import SparseFeatures
+from tetrarec.types import PoolingMode, ShardingType
+
+__all__ = ["RowGroup", "RowWise", "row_shards", "validate_row_blocks"]
+
+
+def row_shards(table: TableConfig, ranks: Sequence[int]) -> tuple[Shard, ...]:
+    """``table`` split by rows over ``ranks`` (see the module docstring).
+
+    A table with fewer rows than ranks is split over its first ``rows`` ranks.
+    """
+    parts = min(len(ranks), table.num_embeddings)
+    return tuple(
+        Shard(rank=r, rows=rows, cols=(0, table.dim))
+        for r, rows in zip(ranks, split_evenly(table.num_embeddings, parts))
+    )
+
+
+def validate_row_blocks(table: TableConfig, plan: TablePlan) -> None:
+    """Full-width blocks tiling the rows, at most one per rank.
+
+    Raises:
+        ValueError: otherwise.
+    """
+    if any(s.cols != (0, table.dim) for s in plan.shards):
+        raise ValueError(
+            f"table {table.name!r}: {plan.sharding.value} shards hold every column "
+            f"[0, {table.dim}), got {plan.shards}"
+        )
+    if len(plan.ranks()) != len(plan.shards):
+        raise ValueError(f"table {table.name!r}: a rank holds two row blocks: {plan.shards}")
+    check_tiling(table.name, [s.rows for s in plan.shards], table.num_embeddings, "rows")
+
+
+class RowGroup(ShardedGroup):
+    """Row blocks (RW, TWRW): see the module docstring."""
+
+    def __init__(
+        self,
+        env: ShardingEnv,
+        tables: Sequence[tuple[TableConfig, TablePlan]],
+        options: LookupOptions,
+        *,
+        label: str,
+    ) -> None:
+        self.label = label
+        w = env.world_size
+        shards_of: list[list[LocalShard]] = [[] for _ in range(w)]
+        receives: list[list[str]] = [[] for _ in range(w)]
+        bounds: list[tuple[list[int], list[int]]] = []  # per table: (row starts, ranks)
+        for t, plan in tables:
+            blocks = sorted(plan.shards, key=lambda s: s.rows[0])
+            bounds.append(([s.rows[0] for s in blocks], [s.rank for s in blocks]))
+            for s in blocks:
+                whole = s.rows == (0, t.num_embeddings)
+                shards_of[s.rank].append(
+                    LocalShard(
+                        name=t.name if whole else f"{t.name}@r{s.rows[0]}",
+                        table=t,
+                        rows=s.rows,
+                        cols=s.cols,
+                        feature_names=t.feature_names,
+                        pooling=PoolingMode.SUM,  # mean divides by the whole bag, later
+                    )
+                )
+                receives[s.rank].extend(t.feature_names)
+        super().__init__(env, tables, shards_of[env.rank], options)
+        self.receives = [tuple(r) for r in receives]
+        self._same_everywhere = all(r == self.feature_names for r in self.receives)
+        # Per feature: its table's row starts and their ranks, as tensors.
+        self._starts = [
+            torch.tensor(b[0]) for b, t in zip(bounds, self.tables) for _ in t.feature_names
+        ]
+        self._ranks = [
+            torch.tensor(b[1]) for b, t in zip(bounds, self.tables) for _ in t.feature_names
+        ]
+        self._pos = [{f: i for i, f in enumerate(r)} for r in self.receives]
+        self.dims = [
+            sum(t.dim for t in self.tables for f in t.feature_names if f in set(r))
+            for r in self.receives
+        ]
+        col = 0
+        start_of = {}
+        for f, d in zip(self.feature_names, self.feature_dims):
+            start_of[f] = col
+            col += d
+        self._cols = [
+            torch.tensor(
+                [
+                    start_of[f] + c
+                    for f in r
+                    for c in range(self.feature_dims[self.feature_names.index(f)])
+                ],
+                dtype=torch.int64,
+            )
+            for r in self.receives
+        ]
+        self._mean = [t.pooling is PoolingMode.MEAN for t in self.tables for _ in t.feature_names]
+
+    def input_dist(self, features: SparseFeatures) -> Handle[Routed]:
+        """Bucketize every id by the row block holding it; send each block its ids."""
+        w, b = self.env.world_size, features.batch_size
+        counts = features.value_counts_host()
+        lens2d = features.lengths_2d()
+        seg_base = [0]
+        for q in range(w):
+            seg_base.append(seg_base[-1] + len(self.receives[q]) * b)
+        keys, local_ids = [], []
+        start = 0
+        bad = self.bad_id(features)
+        for i, f in enumerate(self.feature_names):
+            v = features.values[start : start + counts[i]].long()
+            start += counts[i]
+            bag = torch.repeat_interleave(torch.arange(b, device=v.device), lens2d[i])
+            k = torch.searchsorted(self._starts[i], v, right=True) - 1
+            k = k.clamp(0, len(self._starts[i]) - 1)  # bad ids are reported, never sent
+            dest = self._ranks[i][k]
+            base = torch.tensor([seg_base[q] + self._pos[q].get(f, 0) * b for q in range(w)])
+            keys.append(base[dest] + bag)
+            local_ids.append(v - self._starts[i][k])
+        key = torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64)
+        order = torch.sort(key, stable=True).indices
+        ids = torch.cat(local_ids)[order] if local_ids else key
+        lengths = torch.bincount(key, minlength=seg_base[-1])
+        weights = features.weights[order] if features.weights is not None else None
+        outgoing = []
+        lo = 0
+        for q in range(w):
+            seg = lengths[seg_base[q] : seg_base[q + 1]]
+            n = int(seg.sum())
+            wts = weights[lo : lo + n] if weights is not None else None
+            outgoing.append(Outgoing(seg, ids[lo : lo + n], wts))
+            lo += n
+        routed = route_features(
+            self.env.comm,
+            outgoing,
+            keys=self.receives[self.env.rank],
+            batch_size=b,
+            error=bad,
+            group_features=self.feature_names,
+            label=f"input_dist/{self.label}",
+        )
+        return routed.then(lambda r: Routed(r.features, r.source_batches, own_lengths=lens2d))
+
+    def output_dist(self, pooled: torch.Tensor, routed: Routed) -> Handle[torch.Tensor]:
+        """Partial sums back to the samples' owner, added in rank order."""
+        comm = self.env.comm
+        label = f"output_dist/{self.label}"
+        if self._same_everywhere:
+            summed = comm.reduce_scatter_v(pooled, splits=routed.source_batches, label=label)
+        else:
+            blocks = send_pooled(
+                comm, pooled, source_batches=routed.source_batches, dims=self.dims, label=label
+            )
+            own = routed.source_batches[comm.rank]
+
+            def add(parts: list[torch.Tensor]) -> torch.Tensor:
+                out = parts[0].new_zeros(own, sum(self.feature_dims))
+                for cols, part in zip(self._cols, parts):
+                    if cols.numel():
+                        out = out.index_add(1, cols, part)
+                return out
+
+            summed = blocks.then(add)
+        return summed.then(lambda out: self._mean_pool(out, routed.own_lengths))
+
+    def _mean_pool(self, out: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+        if not any(self._mean):
+            return out
+        assert lengths is not None
+        divisor = torch.cat(
+            [
+                (lengths[i].clamp(min=1).to(out.dtype) if m else torch.ones(lengths.shape[1]))
+                .unsqueeze(1)
+                .expand(-1, d)
+                for i, (m, d) in enumerate(zip(self._mean, self.feature_dims))
+            ],
+            dim=1,
+        )
+        return out / divisor
+
+
+class RowWise:
+    """The row-wise strategy: every table's rows split over all ranks."""
+
+    sharding_type = ShardingType.ROW_WISE
+
+    def place(self, table: TableConfig, ctx: PlacementContext) -> tuple[Shard, ...]:
+        """Rows split evenly over every rank."""
+        return row_shards(table, range(ctx.world_size))
+
+    def validate(self, table: TableConfig, plan: TablePlan, whole: ShardingPlan) -> None:
+        """Full-width row blocks tiling the rows, one per rank at most.
+
+        Raises:
+            ValueError: otherwise.
+        """
+        validate_row_blocks(table, plan)
+
+    def group_key(self) -> str:
+        """Row blocks share one group."""
+        return "row"
+
+    def build_group(
+        self,
+        env: ShardingEnv,
+        tables: Sequence[tuple[TableConfig, TablePlan]],
+        options: LookupOptions,
+    ) -> ShardedGroup:
+        """A ``RowGroup``."""
+        return RowGroup(env, tables, options, label="row")
+
+
+register(RowWise())

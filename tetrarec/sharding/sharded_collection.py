@@ -1,0 +1,149 @@
+"""``ShardedEmbeddingBagCollection``: the collection's tables over ranks, by a plan.
+
+A drop-in for the unsharded collections (same protocol: ``feature_names``,
+``feature_dims``, called on this rank's ``SparseFeatures``, returns its samples'
+``PooledEmbeddings``). Inputs and outputs are data-parallel: each rank passes its own
+samples and gets their embeddings. In between, per group of tables that move alike::
+
+    1. input_dist  of every group started (ids travel to the ranks holding them)
+    2. lookup      of every group, as its ids arrive (the local fused kernels)
+    3. output_dist of every group started, then waited (pooled rows come back)
+    4. the groups' columns put in feature order
+
+Backward mirrors it; each rank's rows are updated by the fused optimizer during
+backward. ``fused_optimizer`` is one ``FusedOptimizer`` for every local kernel, with the
+``torch.optim`` surface; its state dict holds this rank's shards, keyed by local table
+name (see ``shard_layout`` for which block of which table each one is).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from tetrarec.embedding import TableConfig, feature_order
+from tetrarec.kernels import FusedEmbeddingBagCollection, FusedOptimizer
+from tetrarec.sharding.env import ShardingEnv
+from tetrarec.sharding.group import LookupOptions, ShardedGroup
+from tetrarec.sharding.plan import ShardingPlan, TablePlan
+from tetrarec.sharding.strategy import STRATEGIES
+from tetrarec.sparse import PooledEmbeddings, SparseFeatures, permute_keys
+
+__all__ = ["ShardedEmbeddingBagCollection"]
+
+
+class ShardedEmbeddingBagCollection(nn.Module):
+    """Tables sharded over the ranks of ``env`` as ``plan`` says.
+
+    Args:
+        tables: the (global) tables, in collection order.
+        plan: where each table's blocks live; checked against ``tables`` and the world.
+        env: the process group, topology and device.
+        options: the fused optimizer, seed and kernel settings (the same as the
+            unsharded ``FusedEmbeddingBagCollection`` takes).
+
+    Raises:
+        ValueError: if the plan does not fit the tables or the world.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        plan: ShardingPlan,
+        env: ShardingEnv,
+        options: LookupOptions,
+    ) -> None:
+        super().__init__()
+        self.tables = tuple(tables)
+        plan.validate(self.tables)
+        plan.check_world(env.world_size, env.local_world_size)
+        self.plan, self.env, self.options = plan, env, options
+        self.feature_names = feature_order(self.tables)
+        self.feature_dims = tuple(t.dim for t in self.tables for _ in t.feature_names)
+        by_key: dict[str, list[tuple[TableConfig, TablePlan]]] = {}
+        for t in self.tables:
+            tp = plan.table(t.name)
+            by_key.setdefault(STRATEGIES[tp.sharding].group_key(), []).append((t, tp))
+        self.groups = nn.ModuleList(
+            STRATEGIES[members[0][1].sharding].build_group(env, members, options)
+            for members in by_key.values()
+        )
+        # The groups' output columns, side by side, put back in feature order.
+        col, where = 0, {}
+        for g in self._groups():
+            for f, d in zip(g.feature_names, g.feature_dims):
+                where[f] = (col, d)
+                col += d
+        perm = [c for f in self.feature_names for c in range(where[f][0], sum(where[f]))]
+        self._identity = perm == list(range(len(perm)))
+        self.column_order = torch.tensor(perm, dtype=torch.int64, device=env.device)
+        self.fused_optimizer = FusedOptimizer(options.optimizer, self)
+        for g in self._groups():
+            g.use_optimizer(self.fused_optimizer)
+
+    def _groups(self) -> list[ShardedGroup]:
+        return [g for g in self.groups if isinstance(g, ShardedGroup)]
+
+    def _locals(self) -> list[FusedEmbeddingBagCollection]:
+        return [g.local for g in self._groups() if g.local is not None]
+
+    def forward(self, features: SparseFeatures) -> PooledEmbeddings:
+        """Pool this rank's samples (see the module docstring for the stages)."""
+        if features.keys != self.feature_names:
+            features = permute_keys(features, self.feature_names)
+        groups = self._groups()
+        with record_function("tetrarec/input_dist"):
+            routed = [g.input_dist(permute_keys(features, g.feature_names)) for g in groups]
+        with record_function("tetrarec/lookup"):
+            pooled = [g.lookup(r.wait()) for g, r in zip(groups, routed)]
+        with record_function("tetrarec/output_dist"):
+            outs = [g.output_dist(p, r.wait()) for g, p, r in zip(groups, pooled, routed)]
+            values = torch.cat([o.wait() for o in outs], dim=1)  # (B, sum D), group order
+        if not self._identity:
+            values = values.index_select(1, self.column_order)
+        return PooledEmbeddings(self.feature_names, self.feature_dims, values)
+
+    # -- what the rank holds --------------------------------------------------------------
+
+    def shard_layout(self) -> list[dict[str, Any]]:
+        """This rank's local tables: name, global table, rows and columns."""
+        return [entry for g in self._groups() for entry in g.shard_layout()]
+
+    def table_weights(self) -> dict[str, torch.Tensor]:
+        """``{local table name: (rows, cols) FP32}`` of this rank's blocks."""
+        out: dict[str, torch.Tensor] = {}
+        for local in self._locals():
+            out.update(local.table_weights())
+        return out
+
+    # -- FusedState -----------------------------------------------------------------------
+
+    def storages(self) -> list[torch.Tensor]:
+        """Every local kernel's flat row storages."""
+        return [s for local in self._locals() for s in local.storages()]
+
+    def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``{local table name: {state name: tensor}}`` of this rank's blocks."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for local in self._locals():
+            out.update(local.optimizer_state())
+        return out
+
+    def load_optimizer_state(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Copy ``state`` (as ``optimizer_state`` returns it) into the local kernels.
+
+        Raises:
+            ValueError: for missing or unexpected local tables, or other shapes.
+        """
+        mine = self.optimizer_state()
+        if set(state) != set(mine):
+            raise ValueError(
+                f"rank {self.env.rank}: optimizer state for {sorted(state)}, this rank holds "
+                f"{sorted(mine)}"
+            )
+        for local in self._locals():
+            local.load_optimizer_state({t.name: state[t.name] for t in local.tables})

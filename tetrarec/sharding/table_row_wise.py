@@ -1,0 +1,75 @@
+"""Table-row-wise (TWRW): a table placed on one node, split by rows over its ranks.
+
+On a topology of nodes x local ranks (torchrun's ``LOCAL_WORLD_SIZE``), the table's ids
+only travel to the ranks of its node. It runs in the row group (``row_wise.RowGroup``):
+ids are bucketized by row block exactly as for row-wise tables, and the partial sums come
+back with an all-to-all plus a rank-order sum. (A cluster implementation would reduce
+inside the node first; here the one flat all-to-all carries the same bytes.)
+
+Worked example, 2 nodes x 2 ranks, a table of 10 rows placed on node 1: rank 2 holds rows
+[0, 5), rank 3 rows [5, 10); ranks 0 and 1 hold none of it and send every id of its
+features to ranks 2 and 3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tetrarec.embedding import TableConfig
+from tetrarec.sharding.env import ShardingEnv
+from tetrarec.sharding.group import LookupOptions, ShardedGroup
+from tetrarec.sharding.plan import Shard, ShardingPlan, TablePlan
+from tetrarec.sharding.row_wise import RowGroup, row_shards, validate_row_blocks
+from tetrarec.sharding.strategy import PlacementContext, register
+from tetrarec.types import ShardingType
+
+__all__ = ["TableRowWise", "check_one_node"]
+
+
+def check_one_node(table: TableConfig, plan: TablePlan, whole: ShardingPlan) -> None:
+    """Every shard on the ranks of one node.
+
+    Raises:
+        ValueError: otherwise.
+    """
+    nodes = {s.rank // whole.local_world_size for s in plan.shards}
+    if len(nodes) != 1:
+        raise ValueError(
+            f"table {table.name!r}: {plan.sharding.value} shards must sit on one node of "
+            f"{whole.local_world_size} ranks, got ranks {sorted(s.rank for s in plan.shards)}"
+        )
+
+
+class TableRowWise:
+    """The table-row-wise strategy."""
+
+    sharding_type = ShardingType.TABLE_ROW_WISE
+
+    def place(self, table: TableConfig, ctx: PlacementContext) -> tuple[Shard, ...]:
+        """Rows split over the ranks of the least-loaded node."""
+        return row_shards(table, ctx.node_ranks(ctx.least_loaded_node()))
+
+    def validate(self, table: TableConfig, plan: TablePlan, whole: ShardingPlan) -> None:
+        """Row blocks on one node.
+
+        Raises:
+            ValueError: otherwise.
+        """
+        validate_row_blocks(table, plan)
+        check_one_node(table, plan, whole)
+
+    def group_key(self) -> str:
+        """Row blocks share one group."""
+        return "row"
+
+    def build_group(
+        self,
+        env: ShardingEnv,
+        tables: Sequence[tuple[TableConfig, TablePlan]],
+        options: LookupOptions,
+    ) -> ShardedGroup:
+        """A ``RowGroup``."""
+        return RowGroup(env, tables, options, label="row")
+
+
+register(TableRowWise())
