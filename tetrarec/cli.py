@@ -4,6 +4,7 @@
 
     tetrarec demo                                   small DLRM on built-in data, CPU
     tetrarec train --config run.toml [--set k=v ...] [--resume] [--json PATH]
+    torchrun --nproc-per-node N -m tetrarec train --config run.toml   (sharded)
     tetrarec eval --checkpoint DIR [--data PATH ...] [--set k=v ...] [--json PATH]
     tetrarec preprocess criteo --input FILE ... --output DIR [--on-bad-line skip]
     tetrarec bench NAME [args ...]                  runs benchmarks/bench_NAME.py
@@ -112,7 +113,9 @@ def _train(args: argparse.Namespace) -> int:
     config = RunConfig.from_toml(args.config).with_overrides(args.overrides)
     if args.json:
         config = config.with_overrides([f"train.json={args.json}"])
-    result = train(config, resume=args.resume)
+    result = train(config, resume=args.resume, launch=args.launch)
+    if args.launch.rank != 0:  # rank 0 reports for the run
+        return 0
     if result.final is not None:
         print(result.final.summary())
     print(f"samples/s {result.samples_per_s:,.0f}  steps {result.steps}")
@@ -166,8 +169,12 @@ _COMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command in ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     args = _parser().parse_args(argv)
+    from tetrarec.comm import launch_info
+
+    # torchrun's environment, read once: it says which rank this process is.
+    args.launch = launch_info()
     logging.basicConfig(
-        level=logging.WARNING if args.quiet else logging.INFO,
+        level=logging.WARNING if args.quiet or args.launch.rank != 0 else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )

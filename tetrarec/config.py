@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from tetrarec.data.config import DataConfig
 from tetrarec.embedding import SparseOptimizerSpec
 from tetrarec.models import DLRMConfig
-from tetrarec.types import PoolingMode, Precision
+from tetrarec.types import PoolingMode, Precision, ShardingType
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -55,6 +55,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "RunConfig",
+    "ShardingConfig",
     "TrainConfig",
     "config_from_dict",
     "config_to_dict",
@@ -223,13 +224,53 @@ class TrainConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ShardingConfig:
+    """How the tables are placed when the run is launched on several ranks (torchrun).
+
+    Args:
+        type: one sharding type for every table, or one per table (``table_wise``,
+            ``row_wise``, ``column_wise``, ``data_parallel``, ``table_row_wise``,
+            ``table_column_wise``); tables are placed by type with bytes balanced over
+            ranks (``tetrarec.sharding.plan_by_type``). Default (neither ``type`` nor
+            ``plan``): ``table_wise``.
+        plan: a plan file (JSON, ``ShardingPlan.save``), instead of ``type``.
+        column_block: column-wise block width (it must divide the tables' dim; default:
+            one block per rank).
+        local_world_size: ranks per node (default: torchrun's ``LOCAL_WORLD_SIZE``);
+            table-row-wise and table-column-wise tables stay inside one node.
+        timeout_s: how long a collective may take before every rank stops with an error.
+
+    Raises:
+        ValueError: if both ``type`` and ``plan`` are set, or on a bad number.
+    """
+
+    type: ShardingType | tuple[ShardingType, ...] | None = None
+    plan: str | None = None
+    column_block: int | None = None
+    local_world_size: int = 0
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.type is not None and self.plan is not None:
+            raise ValueError("set sharding.type or sharding.plan, not both")
+        if (self.column_block is not None and self.column_block <= 0) or self.timeout_s <= 0:
+            raise ValueError(
+                f"bad sharding settings: column_block={self.column_block}, "
+                f"timeout_s={self.timeout_s}"
+            )
+        if self.local_world_size < 0:
+            raise ValueError(f"sharding.local_world_size must be >= 0, got {self.local_world_size}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    """One training run: ``data``, ``model``, ``optim`` and ``train`` sections."""
+    """One training run: ``data``, ``model``, ``optim``, ``train`` and ``sharding`` sections."""
 
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (enums as strings, tuples as lists, ``None`` left out)."""
@@ -442,5 +483,6 @@ def _parse_text(text: str, hint: Any) -> Any:
     for arm in arms:
         if typing.get_origin(arm) is tuple:
             item = typing.get_args(arm)[0]
-            return [_parse_text(t.strip(), item) for t in text.split(",")]
+            bare = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+            return [_parse_text(t.strip(), item) for t in bare.split(",")]
     return text

@@ -2,7 +2,13 @@
 
 from tetrarec.comm.awaitable import Handle
 from tetrarec.comm.collectives import CollectiveError, CollectiveStats, Communicator
-from tetrarec.comm.process_group import LaunchInfo, destroy, init_from_env, launch_info
+from tetrarec.comm.process_group import (
+    LaunchInfo,
+    destroy,
+    init_from_env,
+    launch_info,
+    second_group,
+)
 
 __all__ = [
     "CollectiveError",
@@ -13,4 +19,5 @@ __all__ = [
     "destroy",
     "init_from_env",
     "launch_info",
+    "second_group",
 ]

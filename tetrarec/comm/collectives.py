@@ -298,6 +298,19 @@ class Communicator:
 
         return Handle(finish)
 
+    def all_reduce_future(
+        self, x: torch.Tensor, *, label: str
+    ) -> torch.futures.Future[torch.Tensor]:
+        """Sum ``x`` over all ranks, in place; a future of it (a DDP gradient hook's form)."""
+        self._count(label, x.numel() * x.element_size() * (self.world_size > 1))
+        if self.world_size == 1:
+            fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            fut.set_result(x)
+            return fut
+        work = dist.all_reduce(x, group=self.group, async_op=True)
+        done: torch.futures.Future[torch.Tensor] = work.get_future().then(lambda f: f.value()[0])
+        return done
+
     def all_gather_json(self, value: Any, *, label: str) -> list[Any]:
         """Every rank's JSON-serializable ``value``, in rank order (blocking).
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from tetrarec.comm.collectives import Communicator
 
-__all__ = ["LaunchInfo", "destroy", "init_from_env", "launch_info"]
+__all__ = ["LaunchInfo", "destroy", "init_from_env", "launch_info", "second_group"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +75,18 @@ def init_from_env(info: LaunchInfo, *, device: torch.device, timeout_s: float) -
     return Communicator(
         dist.group.WORLD, rank=dist.get_rank(), world_size=dist.get_world_size(), timeout=timeout
     )
+
+
+def second_group(comm: Communicator) -> Communicator:
+    """A new process group over the same ranks (every rank must call it, in step).
+
+    Collectives of two groups never wait on each other's order: the dense layers'
+    gradient all-reduce runs on its own group beside the embedding all-to-alls.
+    """
+    if comm.world_size == 1:
+        return Communicator(None, rank=0, world_size=1, timeout=comm.timeout)
+    group = dist.new_group(ranks=list(range(comm.world_size)), timeout=comm.timeout)
+    return Communicator(group, rank=comm.rank, world_size=comm.world_size, timeout=comm.timeout)
 
 
 def destroy() -> None:

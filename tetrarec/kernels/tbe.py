@@ -167,7 +167,8 @@ class FusedEmbeddingBagCollection(nn.Module):
                 init = optimizer.initial_accumulator if store.state_names[k] == "sum" else 0.0
                 st = host_buffer(n, torch.float32, dev, fill=init)
                 self.register_buffer(f"_state_{s}_{k}", st, persistent=False)
-        self._init_weights()
+        if dev.type != "meta":  # a meta module only describes the tables (to be sharded)
+            self._init_weights()
         #: The optimizer object (``torch.optim`` surface) whose hyperparameters the
         #: backward reads. A sharded collection replaces it by its own, shared by all
         #: of its local modules.

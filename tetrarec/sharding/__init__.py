@@ -18,6 +18,7 @@ from tetrarec.sharding import (  # noqa: F401  (each registers its strategy)
 from tetrarec.sharding.env import ShardingEnv
 from tetrarec.sharding.group import LookupOptions, ShardedGroup
 from tetrarec.sharding.plan import Shard, ShardingPlan, TablePlan
+from tetrarec.sharding.shard import check_ranks_agree, shard_collection, shard_model
 from tetrarec.sharding.sharded_collection import ShardedEmbeddingBagCollection
 from tetrarec.sharding.strategy import STRATEGIES, PlacementContext, plan_by_type
 
@@ -31,5 +32,8 @@ __all__ = [
     "ShardingEnv",
     "ShardingPlan",
     "TablePlan",
+    "check_ranks_agree",
     "plan_by_type",
+    "shard_collection",
+    "shard_model",
 ]

@@ -17,6 +17,7 @@ from torch import nn
 from tetrarec.config import EmbeddingKind, ModelConfig, RunConfig
 from tetrarec.embedding import EmbeddingBagCollection, SparseOptimizerSpec, TableConfig
 from tetrarec.models import DLRM, EmbeddingModule, build_model
+from tetrarec.sharding import ShardingEnv, ShardingPlan
 from tetrarec.train.optim import build_dense_optimizer, build_sparse_optimizer
 from tetrarec.types import Precision
 
@@ -139,12 +140,16 @@ class RunParts:
         forward: what the training step calls: the model itself, or the model wrapped
             for data-parallel dense layers (``DistributedDataParallel``) when sharded.
             ``None`` means ``model``.
+        plan: the sharding plan, for a sharded run.
+        env: the process groups of a sharded run.
     """
 
     model: DLRM
     dense_optimizer: torch.optim.Optimizer
     sparse_optimizer: torch.optim.Optimizer
     forward: nn.Module | None = None
+    plan: ShardingPlan | None = None
+    env: ShardingEnv | None = None
 
     @property
     def optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
@@ -169,12 +174,14 @@ class RunParts:
             opt.step()
 
 
-def build_parts(config: RunConfig, *, num_dense: int) -> RunParts:
+def build_parts(config: RunConfig, *, num_dense: int, describe_only: bool = False) -> RunParts:
     """Build the model and its optimizers, all initialized from ``config.train.seed``.
 
     Args:
         config: the run.
         num_dense: dense features the data provides (checked against the model).
+        describe_only: put the fused embedding module on the meta device: it only
+            describes the tables, for ``shard_model`` to build each rank's blocks.
 
     Raises:
         ValueError: if the data's dense width differs from ``model.dlrm.num_dense``.
@@ -185,7 +192,19 @@ def build_parts(config: RunConfig, *, num_dense: int) -> RunParts:
             f"{config.model.dlrm.num_dense}"
         )
     torch.manual_seed(config.train.seed)  # the dense layers draw from the global RNG
-    embeddings = build_embeddings(config, build_tables(config.model))
+    if describe_only:
+        if config.model.embedding is not EmbeddingKind.FUSED:
+            raise ValueError(
+                f"sharded training needs model.embedding = 'fused' (it is "
+                f"{config.model.embedding.value!r})"
+            )
+        from tetrarec.kernels import FusedEmbeddingBagCollection
+
+        embeddings: nn.Module = FusedEmbeddingBagCollection(
+            build_tables(config.model), config.optim.sparse, seed=config.train.seed, device="meta"
+        )
+    else:
+        embeddings = build_embeddings(config, build_tables(config.model))
     model = build_model(config.model.dlrm, embeddings)
     dense_opt = build_dense_optimizer(config.optim, list(model.dense_parameters()))
     sparse_opt = embedding_optimizer(embeddings, config.optim.sparse)

@@ -5,6 +5,10 @@ A checkpoint is a directory ``<root>/step_<8 digits>/`` holding::
     tensors.safetensors   every tensor: weights, optimizer state, RNG states
     meta.json             everything else: step, data position, config, the non-tensor
                           parts of optimizer and RNG states, format version
+    rank_<5 digits>.safetensors
+                          (sharded runs) each rank's blocks of the tables, their
+                          optimizer state and the rank's RNG states; tensors.safetensors
+                          then holds the dense layers and their optimizer (rank 0's)
 
 It is written into ``<root>/.tmp-step_<...>-<pid>/`` and renamed into place only when
 both files are complete and flushed, so a crash leaves either the whole checkpoint or
@@ -29,6 +33,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from tetrarec.comm import Communicator
+
 __all__ = [
     "CHECKPOINT_FORMAT",
     "CheckpointData",
@@ -37,10 +43,13 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "prune_checkpoints",
+    "rank_file",
     "read_checkpoint",
+    "read_rank_tensors",
     "restore_rng_state",
     "unflatten_optimizer_state",
     "write_checkpoint",
+    "write_sharded_checkpoint",
 ]
 
 CHECKPOINT_FORMAT = 2  # 2: fused optimizer state under sparse_optim, keyed by table
@@ -85,15 +94,72 @@ def write_checkpoint(root: str | Path, data: CheckpointData) -> Path:
     final = root / f"step_{data.step:08d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     tmp.mkdir()
-    tensors = {k: v.detach().cpu().contiguous() for k, v in data.tensors.items()}
-    save_file(tensors, str(tmp / _TENSORS))
+    _save_flushed(data.tensors, tmp / _TENSORS)
+    _write_meta(tmp, data)
+    _replace(root, tmp, final)
+    return final
+
+
+def rank_file(rank: int) -> str:
+    """The name of rank ``rank``'s file in a sharded checkpoint."""
+    return f"rank_{rank:05d}.safetensors"
+
+
+def write_sharded_checkpoint(
+    root: str | Path,
+    data: CheckpointData,
+    rank_tensors: dict[str, torch.Tensor],
+    comm: Communicator,
+) -> Path:
+    """Write a checkpoint with one file per rank, atomically; every rank calls it.
+
+    Rank 0 writes ``data`` (dense tensors and meta); every rank writes ``rank_tensors``
+    into the same temporary directory (the ranks share a file system), and rank 0
+    renames it into place once all are complete::
+
+        rank 0: clear stale temporaries, make .tmp-step_N      | barrier
+        every rank: rank_<r>.safetensors, flushed              | (rank 0 also meta)
+        barrier | rank 0: rename to step_N, flush the directory | barrier
+
+    Returns:
+        The checkpoint's final path.
+    """
+    root = Path(root)
+    final = root / f"step_{data.step:08d}"
+    tmp = root / f".tmp-{final.name}"
+    if comm.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp-step_*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    comm.barrier(label="checkpoint")
+    _save_flushed(rank_tensors, tmp / rank_file(comm.rank))
+    if comm.rank == 0:
+        _save_flushed(data.tensors, tmp / _TENSORS)
+        _write_meta(tmp, data)
+    comm.barrier(label="checkpoint")
+    if comm.rank == 0:
+        _replace(root, tmp, final)
+    comm.barrier(label="checkpoint")
+    return final
+
+
+def _save_flushed(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path))
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _write_meta(directory: Path, data: CheckpointData) -> None:
     meta = {"format": CHECKPOINT_FORMAT, "step": data.step, **data.meta}
-    with open(tmp / _META, "w") as f:
+    with open(directory / _META, "w") as f:
         json.dump(meta, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-    with open(tmp / _TENSORS, "rb") as f:
-        os.fsync(f.fileno())
+
+
+def _replace(root: Path, tmp: Path, final: Path) -> None:
+    """Rename the complete ``tmp`` to ``final`` (replacing an older one) and flush."""
     if final.exists():
         old = root / f".tmp-old-{final.name}-{os.getpid()}"
         os.replace(final, old)
@@ -102,7 +168,18 @@ def write_checkpoint(root: str | Path, data: CheckpointData) -> Path:
     else:
         os.replace(tmp, final)
     _fsync_dir(root)
-    return final
+
+
+def read_rank_tensors(path: str | Path, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s tensors of a sharded checkpoint.
+
+    Raises:
+        FileNotFoundError: if the checkpoint has no file for that rank.
+    """
+    file = Path(path) / rank_file(rank)
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} has no {rank_file(rank)} (written by another world?)")
+    return load_file(str(file))
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import torch
 
+from tetrarec.comm import Communicator
 from tetrarec.config import RunConfig
 from tetrarec.data import LOADERS, BatchLoader, Dataset, DataSource, RowRange, build_datasets
 from tetrarec.train.build import build_parts, build_tables
 from tetrarec.train.checkpoint import read_checkpoint
-from tetrarec.train.metrics import MetricAccumulator, Metrics
+from tetrarec.train.metrics import MetricAccumulator, Metrics, compute_metrics
 from tetrarec.train.state import load_model_state
 
 __all__ = ["checkpoint_config", "evaluate", "evaluate_checkpoint"]
@@ -20,12 +21,29 @@ __all__ = ["checkpoint_config", "evaluate", "evaluate_checkpoint"]
 logger = logging.getLogger(__name__)
 
 
-def evaluate(model: torch.nn.Module, dataset: Dataset, *, batch_size: int) -> Metrics:
+def evaluate(
+    model: torch.nn.Module,
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    comm: Communicator | None = None,
+) -> Metrics:
     """Exact metrics of ``model`` over every row of ``dataset``, in order.
 
-    The model is put in eval mode for the pass and restored afterwards.
+    The model is put in eval mode for the pass and restored afterwards. With ``comm``
+    (a sharded model), each rank evaluates its slice of every batch and the metrics are
+    those of the whole dataset, the same on every rank (logits and labels gathered).
     """
-    loader = BatchLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=False, epochs=1)
+    rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
+    loader = BatchLoader(
+        dataset,
+        batch_size=batch_size,
+        rank=rank,
+        world_size=world,
+        shuffle=False,
+        drop_last=False,
+        epochs=1,
+    )
     acc = MetricAccumulator()
     was_training = model.training
     model.eval()
@@ -36,7 +54,16 @@ def evaluate(model: torch.nn.Module, dataset: Dataset, *, batch_size: int) -> Me
     finally:
         loader.close()
         model.train(was_training)
-    return acc.compute()
+    if comm is None or world == 1:
+        return acc.compute()
+    logits, labels = acc.tensors()
+    sizes = comm.all_gather_v(
+        torch.tensor([logits.numel()]), sizes=[1] * world, label="eval_sizes"
+    ).wait()
+    counts = [int(s[0]) for s in sizes]
+    pairs = comm.all_gather_v(torch.stack([logits, labels], 1), sizes=counts, label="eval").wait()
+    every = torch.cat(pairs)  # (N, 2), rank-major (metrics do not depend on the order)
+    return compute_metrics(every[:, 0], every[:, 1])
 
 
 def checkpoint_config(path: str | Path) -> RunConfig:

@@ -32,11 +32,13 @@ import torch
 import torch.nn.functional as F  # torch's convention
 from tqdm import tqdm
 
+from tetrarec.comm import LaunchInfo, destroy
 from tetrarec.config import RunConfig, TrainConfig
 from tetrarec.data import BatchLoader, build_datasets
 from tetrarec.sparse import Batch
 from tetrarec.train.build import RunParts, build_parts, build_tables, model_embeddings
 from tetrarec.train.checkpoint import latest_checkpoint
+from tetrarec.train.distributed import sharded_parts, sharding_env
 from tetrarec.train.evaluate import evaluate
 from tetrarec.train.metrics import Metrics
 from tetrarec.train.optim import set_learning_rate
@@ -128,12 +130,17 @@ def _summary_writer(config: TrainConfig) -> Any:
     return SummaryWriter(config.tensorboard_dir)
 
 
-def train(config: RunConfig, *, resume: bool = False) -> TrainResult:
+def train(
+    config: RunConfig, *, resume: bool = False, launch: LaunchInfo | None = None
+) -> TrainResult:
     """Run the training ``config`` describes (see the module docstring).
 
     Args:
         config: the run.
         resume: continue from the newest checkpoint in ``train.checkpoint_dir``.
+        launch: where this process sits in a ``torchrun`` launch (read from the
+            environment once, by the caller); several ranks train sharded
+            (``tetrarec.train.distributed``). Default: one process.
 
     Returns:
         The run's summary.
@@ -142,8 +149,14 @@ def train(config: RunConfig, *, resume: bool = False) -> TrainResult:
         NonFiniteLossError: if a step's loss is not finite (naming the step).
         ValueError: on a bad configuration, or ``resume`` without a checkpoint.
     """
+    launch = launch or LaunchInfo()
     with _runtime(config.train):
-        run = _Run(config)
+        try:
+            run = _Run(config, launch)
+        except BaseException:
+            if launch.distributed:
+                destroy()
+            raise
         try:
             if resume:
                 run.resume()
@@ -155,14 +168,21 @@ def train(config: RunConfig, *, resume: bool = False) -> TrainResult:
 class _Run:
     """The state of one ``train`` call; one method per phase of the loop."""
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, launch: LaunchInfo) -> None:
         self.config = config
         # Every RNG starts from train.seed; a resume then restores the saved states.
         random.seed(config.train.seed)
         np.random.seed(config.train.seed)
         torch.manual_seed(config.train.seed)
+        self.env = sharding_env(config, launch) if launch.distributed else None
+        self.rank, self.world = (self.env.rank, self.env.world_size) if self.env else (0, 1)
         self.train_ds, self.eval_ds = build_datasets(config.data, build_tables(config.model))
-        self.parts: RunParts = build_parts(config, num_dense=self.train_ds.num_dense)
+        if self.env is not None:
+            self.parts: RunParts = sharded_parts(
+                config, self.env, num_dense=self.train_ds.num_dense
+            )
+        else:
+            self.parts = build_parts(config, num_dense=self.train_ds.num_dense)
         names = tuple(model_embeddings(self.parts.model).feature_names)
         if tuple(self.train_ds.keys) != names:
             raise ValueError(
@@ -173,7 +193,7 @@ class _Run:
         self.last_checkpoint: Path | None = None
         self.evals: list[tuple[int, Metrics]] = []
         self.loader: BatchLoader | None = None
-        self.writer = _summary_writer(config.train)  # last: close() releases it
+        self.writer = _summary_writer(config.train) if self.rank == 0 else None  # last
 
     def resume(self) -> None:
         root = self.config.train.checkpoint_dir
@@ -196,6 +216,8 @@ class _Run:
         self.loader = BatchLoader(
             self.train_ds,
             batch_size=dc.batch_size,
+            rank=self.rank,
+            world_size=self.world,
             shuffle=dc.shuffle,
             seed=tc.seed,
             prefetch=dc.prefetch,
@@ -208,7 +230,7 @@ class _Run:
             unit="sample",
             unit_scale=True,
             file=sys.stderr,
-            disable=not tc.progress,
+            disable=not tc.progress or self.rank != 0,
             dynamic_ncols=True,
         )
         seconds = 0.0
@@ -233,7 +255,7 @@ class _Run:
             evals=tuple(self.evals),
             checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
         )
-        if tc.json:
+        if tc.json and self.rank == 0:
             _write_json(tc.json, result, self.config)
         return result
 
@@ -247,14 +269,26 @@ class _Run:
         set_learning_rate(parts.dense_optimizer, optim.dense_lr * scale)
         set_learning_rate(parts.sparse_optimizer, optim.sparse.lr * scale)
         logits = parts.step_model(batch.dense, batch.sparse)  # (B,)
-        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-        value = float(loss.detach())
+        # This rank's share of the global batch's mean loss: summed over ranks (the
+        # dense gradients are summed, the tables' gradients go to their owners), it is
+        # exactly one process's loss over the global batch.
+        loss = (
+            F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
+            / self.config.data.batch_size
+        )
+        value = self._global_loss(loss.detach())
         if not math.isfinite(value):
             # Checked before backward: a fused module would apply the bad update there.
             raise NonFiniteLossError(self.step + 1, value, self.last_checkpoint)
         parts.backward_and_step(loss)
         self.step += 1
         return value
+
+    def _global_loss(self, share: torch.Tensor) -> float:
+        """The global batch's loss (the same on every rank, so all stop on a bad one)."""
+        if self.env is None:
+            return float(share)
+        return float(self.env.comm.all_reduce(share.reshape(1), label="loss").wait())
 
     def _after_step(self, loss: float, bar: tqdm[Any]) -> None:
         tc = self.config.train
@@ -263,7 +297,7 @@ class _Run:
             self.writer.add_scalar(
                 "train/lr_scale", lr_scale(self.step - 1, self.config.optim), self.step
             )
-        if tc.log_every and self.step % tc.log_every == 0:
+        if tc.log_every and self.step % tc.log_every == 0 and self.rank == 0:
             bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             logger.info("step %d/%d loss %.5f", self.step, tc.steps, loss)
         if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps:
@@ -280,10 +314,14 @@ class _Run:
         if self.eval_ds is None or self.eval_ds.num_samples == 0:
             return
         metrics = evaluate(
-            self.parts.model, self.eval_ds, batch_size=self.config.data.eval_batch_size
+            self.parts.model,
+            self.eval_ds,
+            batch_size=self.config.data.eval_batch_size,
+            comm=self.env.comm if self.env else None,
         )
         self.evals.append((self.step, metrics))
-        logger.info("eval at step %d: %s", self.step, metrics.summary())
+        if self.rank == 0:
+            logger.info("eval at step %d: %s", self.step, metrics.summary())
         if self.writer is not None:
             for name, value in metrics.to_dict().items():
                 self.writer.add_scalar(f"eval/{name}", value, self.step)
@@ -305,6 +343,8 @@ class _Run:
             self.loader.close()
         if self.writer is not None:
             self.writer.close()
+        if self.env is not None:
+            destroy()
 
 
 def _write_json(path: str, result: TrainResult, config: RunConfig) -> None:

@@ -137,6 +137,13 @@ class MetricAccumulator:
         self._logits.append(logits.detach().reshape(-1).to("cpu", torch.float64))
         self._labels.append(labels.detach().reshape(-1).to("cpu", torch.float64))
 
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits, labels)`` added so far, FP64, in order (empty tensors if none)."""
+        if not self._logits:
+            empty = torch.zeros(0, dtype=torch.float64)
+            return empty, empty.clone()
+        return torch.cat(self._logits), torch.cat(self._labels)
+
     def compute(self) -> Metrics:
         """Metrics over everything added so far.
 

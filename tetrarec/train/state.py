@@ -23,16 +23,19 @@ from typing import Any
 import torch
 
 from tetrarec.config import RunConfig
-from tetrarec.train.build import RunParts
+from tetrarec.sharding import ShardedEmbeddingBagCollection
+from tetrarec.train.build import RunParts, model_embeddings
 from tetrarec.train.checkpoint import (
     CheckpointData,
     capture_rng_state,
     flatten_optimizer_state,
     prune_checkpoints,
     read_checkpoint,
+    read_rank_tensors,
     restore_rng_state,
     unflatten_optimizer_state,
     write_checkpoint,
+    write_sharded_checkpoint,
 )
 
 __all__ = ["NonFiniteStateError", "load_model_state", "load_run_state", "save_run_state"]
@@ -77,17 +80,62 @@ def save_run_state(
     sp_t, sp_j = flatten_optimizer_state(parts.sparse_optimizer.state_dict(), "sparse_optim")
     tensors.update(sp_t)
     meta["sparse_optim"] = sp_j
-    bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(v.isfinite().all())]
-    if bad:
-        raise NonFiniteStateError(
-            f"not checkpointing step {step}: non-finite values in {bad[:5]}"
-            f"{' ...' if len(bad) > 5 else ''}"
-        )
     rng_t, rng_j = capture_rng_state()
+    if parts.env is not None and parts.env.world_size > 1:
+        return _save_sharded(root, parts, step, tensors, meta, (rng_t, rng_j), keep)
+    _check_finite(tensors, step, 0)
     tensors.update(rng_t)
     meta["rng"] = rng_j
     path = write_checkpoint(root, CheckpointData(step=step, tensors=tensors, meta=meta))
     prune_checkpoints(root, keep)
+    return path
+
+
+def _non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    return [k for k, v in tensors.items() if v.is_floating_point() and not bool(v.isfinite().all())]
+
+
+def _check_finite(tensors: dict[str, torch.Tensor], step: int, bad_elsewhere: int) -> None:
+    bad = _non_finite(tensors)
+    if bad or bad_elsewhere:
+        where = f"{bad[:5]}{' ...' if len(bad) > 5 else ''}" if bad else "another rank's state"
+        raise NonFiniteStateError(f"not checkpointing step {step}: non-finite values in {where}")
+
+
+def _save_sharded(
+    root: str | Path,
+    parts: RunParts,
+    step: int,
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    rng: tuple[dict[str, torch.Tensor], dict[str, Any]],
+    keep: int,
+) -> Path:
+    """Each rank writes its blocks, their optimizer state and its RNGs; rank 0 the rest."""
+    env, plan = parts.env, parts.plan
+    assert env is not None
+    assert plan is not None
+    comm = env.comm
+    own = {k: v for k, v in tensors.items() if k.startswith(("embedding.", "sparse_optim."))}
+    dense = {k: v for k, v in tensors.items() if k not in own}
+    bad = comm.all_reduce(torch.tensor([float(bool(_non_finite(tensors)))]), label="checkpoint")
+    _check_finite(tensors, step, int(bad.wait()[0]))
+    own.update(rng[0])
+    layout = model_embeddings(parts.model)
+    shards = layout.shard_layout() if isinstance(layout, ShardedEmbeddingBagCollection) else []
+    ranks = comm.all_gather_json({"rng": rng[1], "shards": shards}, label="checkpoint")
+    meta["sharding"] = {
+        "world_size": env.world_size,
+        "local_world_size": env.local_world_size,
+        "plan": plan.to_dict(),
+        "fingerprint": plan.fingerprint(),
+        "ranks": ranks,
+    }
+    data = CheckpointData(step=step, tensors=dense if comm.rank == 0 else {}, meta=meta)
+    path = write_sharded_checkpoint(root, data, own, comm)
+    if comm.rank == 0:
+        prune_checkpoints(root, keep)
+    comm.barrier(label="checkpoint")
     return path
 
 
@@ -102,6 +150,12 @@ def load_model_state(path: str | Path, model: torch.nn.Module) -> dict[str, Any]
         ValueError: if the checkpoint's tensors do not fit the model.
     """
     data = read_checkpoint(path)
+    if "sharding" in data.meta:
+        raise ValueError(
+            f"{path} holds tables sharded over {data.meta['sharding']['world_size']} ranks; "
+            "loading it into one process is not supported yet (resharding is a later "
+            "feature): evaluate it in the sharded run (train.eval_every)"
+        )
     _load_model(data, model, path)
     return data.meta
 
@@ -132,6 +186,17 @@ def load_run_state(path: str | Path, parts: RunParts) -> tuple[int, int]:
         ValueError: if the checkpoint does not fit the run (model or optimizers).
     """
     data = read_checkpoint(path)
+    _check_same_layout(data, parts, path)
+    rank_meta: dict[str, Any] | None = None
+    if "sharding" in data.meta:
+        assert parts.env is not None
+        rank = parts.env.rank
+        data = CheckpointData(
+            step=data.step,
+            tensors={**data.tensors, **read_rank_tensors(path, rank)},
+            meta=data.meta,
+        )
+        rank_meta = data.meta["sharding"]["ranks"][rank]
     _load_model(data, parts.model, path)
     parts.dense_optimizer.load_state_dict(
         unflatten_optimizer_state(data.tensors, data.meta["dense_optim"], "dense_optim")
@@ -145,5 +210,34 @@ def load_run_state(path: str | Path, parts: RunParts) -> tuple[int, int]:
             f"{path}: the tables' optimizer state does not fit this run (was it written with "
             f"another embedding module or optimizer?): {e}"
         ) from e
-    restore_rng_state(data.tensors, data.meta["rng"])
+    restore_rng_state(data.tensors, rank_meta["rng"] if rank_meta else data.meta["rng"])
     return data.step, int(data.meta["data_position"])
+
+
+def _check_same_layout(data: CheckpointData, parts: RunParts, path: str | Path) -> None:
+    """Refuse to resume on another world or plan than the checkpoint's (a later issue).
+
+    Raises:
+        ValueError: naming what differs.
+    """
+    saved = data.meta.get("sharding")
+    env, plan = parts.env, parts.plan
+    sharded_now = env is not None and env.world_size > 1
+    if saved is None and not sharded_now:
+        return
+    if saved is None or not sharded_now:
+        was = f"{saved['world_size']} ranks" if saved else "one process"
+        now = f"{env.world_size} ranks" if sharded_now and env is not None else "one process"
+        raise ValueError(
+            f"{path} was written by {was}, this run has {now}: resuming on another world "
+            "size or plan is not supported yet (resharding a checkpoint is a later feature)"
+        )
+    assert env is not None
+    assert plan is not None
+    if saved["world_size"] != env.world_size or saved["fingerprint"] != plan.fingerprint():
+        raise ValueError(
+            f"{path} was written with {saved['world_size']} ranks and plan "
+            f"{saved['fingerprint']}, this run has {env.world_size} ranks and plan "
+            f"{plan.fingerprint()}: resuming with another world size or plan is not "
+            "supported yet (resharding a checkpoint is a later feature)"
+        )

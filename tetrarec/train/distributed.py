@@ -1,0 +1,107 @@
+"""A training run on several ranks: the process groups, the plan and the sharded parts.
+
+``torchrun --nproc-per-node N -m tetrarec train --config run.toml`` starts N processes;
+each calls ``train``, which, seeing a launch of several ranks, does::
+
+    1. join the process group (gloo on CPU, NCCL on CUDA; collectives time out after
+       sharding.timeout_s) and a second one for the dense layers' gradient all-reduce
+    2. check that every rank runs the same config (one small collective; a rank started
+       with another config stops every rank with the keys that differ)
+    3. make the plan (sharding.plan, or sharding.type placed by bytes) and check it
+       against the tables and the world
+    4. build the model with its tables described on the meta device, then
+       ``shard_model``: each rank builds only its blocks; the dense part trains under
+       DistributedDataParallel
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tetrarec.comm import LaunchInfo, init_from_env, second_group
+from tetrarec.config import RunConfig
+from tetrarec.sharding import (
+    ShardingEnv,
+    ShardingPlan,
+    check_ranks_agree,
+    plan_by_type,
+    shard_model,
+)
+from tetrarec.train.build import RunParts, build_parts, build_tables, model_embeddings
+from tetrarec.types import ShardingType
+
+__all__ = ["make_plan", "sharded_parts", "sharding_env"]
+
+logger = logging.getLogger(__name__)
+
+
+def sharding_env(config: RunConfig, launch: LaunchInfo) -> ShardingEnv:
+    """Join the launch's process groups and check that every rank runs ``config``.
+
+    Raises:
+        ValueError: on every rank, if the ranks' configs differ, or the batch sizes do
+            not split over the ranks.
+    """
+    device = torch.device("cpu")
+    comm = init_from_env(launch, device=device, timeout_s=config.sharding.timeout_s)
+    env = ShardingEnv(
+        comm,
+        config.sharding.local_world_size or launch.local_world_size,
+        device,
+        second_group(comm),
+    )
+    check_ranks_agree(env, {"config": config.to_dict()})
+    for key in ("batch_size", "eval_batch_size"):
+        value = getattr(config.data, key)
+        if value % env.world_size:
+            raise ValueError(
+                f"data.{key} = {value} does not split over {env.world_size} ranks: each rank "
+                "takes an equal slice of the global batch"
+            )
+    return env
+
+
+def make_plan(config: RunConfig, env: ShardingEnv) -> ShardingPlan:
+    """The run's plan: the file ``sharding.plan``, or the tables placed by type.
+
+    Raises:
+        ValueError: if the plan does not fit the tables or the world.
+    """
+    tables = build_tables(config.model)
+    sc = config.sharding
+    if sc.plan is not None:
+        plan = ShardingPlan.load(sc.plan)
+        plan.check_world(env.world_size, env.local_world_size)
+        plan.validate(tables)
+    else:
+        kinds = sc.type or (ShardingType.TABLE_WISE,)
+        types = kinds[0] if isinstance(kinds, tuple) and len(kinds) == 1 else kinds
+        plan = plan_by_type(
+            tables,
+            types,
+            world_size=env.world_size,
+            local_world_size=env.local_world_size,
+            column_block=sc.column_block,
+        )
+    if env.rank == 0:
+        logger.info("%s", plan.describe(tables))
+    return plan
+
+
+def sharded_parts(config: RunConfig, env: ShardingEnv, *, num_dense: int) -> RunParts:
+    """The run's model, sharded by its plan, and its optimizers."""
+    plan = make_plan(config, env)
+    parts = build_parts(config, num_dense=num_dense, describe_only=True)
+    wrapped = shard_model(parts.model, plan, env)
+    optimizer = getattr(model_embeddings(parts.model), "fused_optimizer", None)
+    assert isinstance(optimizer, torch.optim.Optimizer)  # a sharded collection has one
+    return RunParts(
+        model=parts.model,
+        dense_optimizer=parts.dense_optimizer,
+        sparse_optimizer=optimizer,
+        forward=wrapped,
+        plan=plan,
+        env=env,
+    )
