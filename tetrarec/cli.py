@@ -167,7 +167,7 @@ _COMMANDS = {
 
 
 _NEEDS_KERNELS = frozenset({"demo", "train", "eval"})
-_MAX_LINE = 400
+_MAX_LINE = 1000  # longer messages are cut: one line must stay readable
 
 
 class _RunFailedError(Exception):

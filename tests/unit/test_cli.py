@@ -20,6 +20,7 @@ import torch
 from tetrarec.cli import main
 from tetrarec.data import open_binary
 from tetrarec.train import evaluate_checkpoint, read_checkpoint
+from tetrarec.train.checkpoint import CheckpointData, write_checkpoint
 
 REPO = Path(__file__).parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.toml"))
@@ -242,6 +243,18 @@ def test_os_error_is_one_line_and_exit_1(capsys, tmp_path) -> None:
     sets = _sets(*TINY, f"train.checkpoint_dir={blocker}", "train.checkpoint_every=1")
     assert main(["-q", "train", "--config", str(SYNTHETIC), *sets]) == 1
     assert str(blocker) in _one_line(capsys.readouterr().err)
+
+
+def test_damaged_checkpoint_is_one_line_and_exit_2(capsys, tmp_path) -> None:
+    """``tetrarec eval`` of a checkpoint whose tensors file is cut short: it ended in
+    safetensors' own traceback."""
+    ckpt = write_checkpoint(
+        tmp_path, CheckpointData(step=1, tensors={"w": torch.zeros(64)}, meta={})
+    )
+    tensors = ckpt / "tensors.safetensors"
+    tensors.write_bytes(tensors.read_bytes()[:40])
+    assert main(["-q", "eval", "--checkpoint", str(ckpt)]) == 2
+    assert f"{tensors}: damaged checkpoint tensors" in _one_line(capsys.readouterr().err)
 
 
 def test_bad_kernels_setting_is_one_line(capsys, monkeypatch) -> None:
