@@ -9,8 +9,11 @@
     tetrarec preprocess criteo --input FILE ... --output DIR [--on-bad-line skip]
     tetrarec bench NAME [args ...]                  runs benchmarks/bench_NAME.py
 
-Errors in the user's input (config, data, checkpoint) print one line and exit 2; a
-run stopped by a non-finite loss exits 1.
+tetrarec's own errors print one line on stderr (``tetrarec COMMAND: error: ...``), never
+a traceback: errors in the user's input (config, data, checkpoint, an id outside its
+table) exit 2; a run that fails (a non-finite loss or state, the compiled kernels
+failing to build under ``TETRAREC_KERNELS=compiled``, an OS error such as a full disk)
+exits 1; Ctrl-C exits 130.
 """
 
 from __future__ import annotations
@@ -166,8 +169,55 @@ _COMMANDS = {
 }
 
 
+_NEEDS_KERNELS = frozenset({"demo", "train", "eval"})
+_MAX_LINE = 1000  # longer messages are cut: one line must stay readable
+
+
+class _RunFailedError(Exception):
+    """A failure the command reports as one line with exit status 1."""
+
+
+def _one_line(error: BaseException) -> str:
+    """The error's message on one line (multi-line messages are joined)."""
+    text = " ".join(part.strip() for part in str(error).splitlines() if part.strip())
+    text = text or type(error).__name__
+    return text if len(text) <= _MAX_LINE else text[: _MAX_LINE - 3] + "..."
+
+
+def _build_kernels(command: str) -> None:
+    """Build (or load) the compiled kernels before the command's work starts.
+
+    Under ``TETRAREC_KERNELS=compiled`` a failed build raises ``RuntimeError`` with the
+    whole compiler output; here it becomes one line naming the first compiler error.
+    """
+    if command not in _NEEDS_KERNELS:
+        return
+    from tetrarec.kernels import build_cpu_kernels
+
+    try:
+        build_cpu_kernels()
+    except RuntimeError as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        first_error = next((ln for ln in lines[1:] if "error" in ln.lower()), "")
+        head = lines[0] if lines else "building tetrarec CPU kernels failed"
+        detail = f" ({first_error})" if first_error and first_error not in head else ""
+        raise _RunFailedError(
+            f"{head[:200]}{detail[:200]}; TETRAREC_KERNELS=compiled makes this an error "
+            "(unset it to fall back to the portable PyTorch path)"
+        ) from e
+
+
+def _fail(command: str, error: BaseException, status: int) -> int:
+    print(f"tetrarec {command}: error: {_one_line(error)}", file=sys.stderr)
+    return status
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command in ``argv`` (default ``sys.argv[1:]``); return the exit status."""
+    """Run the command in ``argv`` (default ``sys.argv[1:]``); return the exit status.
+
+    tetrarec's own errors are reported as one line on stderr (see the module docstring
+    for the exit statuses); any other exception is a bug and keeps its traceback.
+    """
     args = _parser().parse_args(argv)
     from tetrarec.comm import launch_info
 
@@ -180,14 +230,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from tetrarec.train import NonFiniteLossError
+    from tetrarec.train import NonFiniteLossError, NonFiniteStateError
 
     try:
         with logging_redirect_tqdm():
+            _build_kernels(args.command)
             return _COMMANDS[args.command](args)
-    except NonFiniteLossError as e:
-        print(f"tetrarec: {e}", file=sys.stderr)
-        return 1
-    except (ValueError, FileNotFoundError) as e:
-        print(f"tetrarec {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except (NonFiniteLossError, NonFiniteStateError, _RunFailedError) as e:
+        return _fail(args.command, e, 1)
+    except (ValueError, FileNotFoundError) as e:  # DataError is a ValueError
+        return _fail(args.command, e, 2)
+    except OSError as e:
+        return _fail(args.command, e, 1)
+    except KeyboardInterrupt:
+        print(f"tetrarec {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,11 +1,31 @@
+"""The ``tetrarec`` command: what it prints and writes, and its one-line errors.
+
+Every figure the command prints is checked against the JSON it wrote, and every file it
+writes is read back; errors are one line on stderr with the documented exit status,
+never a traceback.
+"""
+
 import json
+import os
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from tetrarec.cli import main
+from tetrarec.data import open_binary
+from tetrarec.train import evaluate_checkpoint, read_checkpoint
+from tetrarec.train.checkpoint import CheckpointData, write_checkpoint
 
-EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
+REPO = Path(__file__).parents[2]
+EXAMPLES = sorted((REPO / "examples").glob("*.toml"))
+# A synthetic-data example: the error tests below run it (its tiny size warns of nothing).
+SYNTHETIC = REPO / "examples" / "dlrm_dcnv2_small.toml"
 
 TINY = [
     "data.source=synthetic",
@@ -27,87 +47,278 @@ TINY = [
     "train.progress=false",
 ]
 
+# "AUC 0.5123  NE 1.0012 ..." -> {"AUC": "0.5123", "NE": "1.0012", ...}
+_FIGURE = re.compile(r"(AUC|NE|log loss|calibration|accuracy|samples/s|steps) ([-\d.,naif]+)")
+_METRIC_KEYS = {"AUC": "auc", "NE": "ne", "log loss": "log_loss", "calibration": "calibration"}
+
 
 def _sets(*items: str) -> list[str]:
     return [a for item in items for a in ("--set", item)]
 
 
-def test_demo_at_tiny_size_prints_auc_ne_and_rate(capsys, tmp_path) -> None:
+def _figures(line: str) -> dict[str, float]:
+    return {k: float(v.replace(",", "")) for k, v in _FIGURE.findall(line)}
+
+
+def _assert_printed_metrics_are(line: str, metrics: dict) -> None:
+    """Each printed metric is the JSON's value, to the 4 decimals printed."""
+    printed = _figures(line)
+    assert set(printed) >= set(_METRIC_KEYS), line
+    for label, key in _METRIC_KEYS.items():
+        assert printed[label] == pytest.approx(metrics[key], abs=0.5e-4, nan_ok=True), label
+
+
+def _one_line(err: str) -> str:
+    """The single non-empty stderr line of a failed command (never a traceback)."""
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_demo_prints_the_figures_it_writes(capsys, tmp_path) -> None:
+    """A demo that printed other figures than its JSON (a stale eval, another rate)
+    fails here, as does a JSON that is not written."""
     out = tmp_path / "demo.json"
-    code = main(["-q", "demo", "--json", str(out), *_sets(*TINY)])
-    assert code == 0
+    assert main(["-q", "demo", "--json", str(out), *_sets(*TINY)]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert line.startswith("AUC ")
-    assert " NE " in line
-    assert "samples/s" in line
-    assert json.loads(out.read_text())["steps"] == 2
+    summary = json.loads(out.read_text())
+    printed = _figures(line)
+    assert printed["AUC"] == pytest.approx(summary["final"]["auc"], abs=0.5e-4)
+    assert printed["NE"] == pytest.approx(summary["final"]["ne"], abs=0.5e-4)
+    assert printed["samples/s"] == pytest.approx(summary["samples_per_s"], abs=0.5)
+    assert summary["samples_per_s"] > 0
+    assert summary["steps"] == 2
+    assert re.search(r"\(2 steps\)", line)
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
-def test_train_every_example_at_tiny_size_then_eval_and_resume(capsys, tmp_path, example) -> None:
+def test_train_eval_resume_print_what_they_write(capsys, tmp_path, example) -> None:
+    """train: the printed metrics, rate and checkpoint are the JSON's, and the
+    checkpoint loads and scores those metrics; eval: prints and writes the same metrics
+    (those of the run); resume: continues from step 2 and writes step 3. A command that
+    printed one thing and wrote another, or wrote an unreadable checkpoint, fails."""
+    ck = tmp_path / "ck"
     out = tmp_path / "run.json"
-    sets = _sets(*TINY, f"train.checkpoint_dir={tmp_path / 'ck'}")
+    sets = _sets(*TINY, f"train.checkpoint_dir={ck}")
     assert main(["-q", "train", "--config", str(example), *sets, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(out.read_text())
     assert summary["steps"] == 2
-    assert set(summary["final"]) >= {"auc", "ne", "log_loss"}
-    assert "samples/s" in capsys.readouterr().out
-    ckpt = summary["checkpoint"]
-    assert Path(ckpt).name == "step_00000002"
+    assert summary["start_step"] == 0
+    _assert_printed_metrics_are(printed[0], summary["final"])
+    rate = _figures(printed[1])
+    assert rate["samples/s"] == pytest.approx(summary["samples_per_s"], abs=0.5)
+    assert rate["steps"] == 2
+    assert printed[2] == f"checkpoint {summary['checkpoint']}"
+    ckpt = Path(summary["checkpoint"])
+    assert ckpt.parent == ck
+    assert ckpt.name == "step_00000002"
+    data = read_checkpoint(ckpt)
+    assert data.step == 2
+    assert all(bool(t.isfinite().all()) for t in data.tensors.values() if t.is_floating_point())
+    assert evaluate_checkpoint(ckpt).to_dict() == summary["final"]
 
     ev = tmp_path / "eval.json"
-    assert main(["-q", "eval", "--checkpoint", ckpt, "--json", str(ev)]) == 0
-    assert "AUC" in capsys.readouterr().out
-    assert json.loads(ev.read_text())["auc"] == summary["final"]["auc"]
+    assert main(["-q", "eval", "--checkpoint", str(ckpt), "--json", str(ev)]) == 0
+    ev_line = capsys.readouterr().out.strip()
+    ev_json = json.loads(ev.read_text())
+    assert ev_json.pop("checkpoint") == str(ckpt)
+    assert ev_json == summary["final"]
+    _assert_printed_metrics_are(ev_line, ev_json)
 
-    more = _sets(*TINY, f"train.checkpoint_dir={tmp_path / 'ck'}", "train.steps=3")
-    assert main(["-q", "train", "--config", str(example), *more, "--resume"]) == 0
+    more = _sets(*TINY, f"train.checkpoint_dir={ck}", "train.steps=3")
+    out3 = tmp_path / "run3.json"
+    assert (
+        main(["-q", "train", "--config", str(example), *more, "--resume", "--json", str(out3)]) == 0
+    )
+    assert _figures(capsys.readouterr().out)["steps"] == 3
+    resumed = json.loads(out3.read_text())
+    assert (resumed["start_step"], resumed["steps"]) == (2, 3)
+    assert Path(resumed["checkpoint"]).name == "step_00000003"
+    assert read_checkpoint(resumed["checkpoint"]).step == 3
 
 
 def test_unknown_key_lists_valid_keys(capsys, tmp_path) -> None:
     code = main(["-q", "train", "--config", str(EXAMPLES[0]), "--set", "train.stepz=3"])
     assert code == 2
-    err = capsys.readouterr().err
+    err = _one_line(capsys.readouterr().err)
+    assert err.startswith("tetrarec train: error: ")
     assert "unknown config key train.stepz" in err
     assert "valid keys of train: steps" in err
     bad = tmp_path / "bad.toml"
     bad.write_text("[model]\nnum_tables = 3\n")
     assert main(["-q", "train", "--config", str(bad)]) == 2
-    assert "valid keys of model: num_sparse" in capsys.readouterr().err
+    assert "valid keys of model: num_sparse" in _one_line(capsys.readouterr().err)
 
 
-def test_preprocess_criteo(capsys, tmp_path) -> None:
-    dense = "\t".join(str(i) for i in range(13))
-    cats = "\t".join(f"{i:08x}" for i in range(26))
+def _criteo_line(label: int, dense: list[int], cats: list[int]) -> str:
+    return "\t".join([str(label), *map(str, dense), *(f"{c:08x}" for c in cats)])
+
+
+def test_preprocess_criteo_writes_the_rows_it_reports(capsys, tmp_path) -> None:
+    """The printed row counts are those written, and the columns hold the lines' values
+    (a preprocess that reported rows it did not write, or wrote them wrong, fails)."""
     raw = tmp_path / "day.tsv"
-    raw.write_text(f"1\t{dense}\t{cats}\n0\t{dense}\t{cats}\n")
-    out = tmp_path / "bin"
-    assert (
-        main(
-            [
-                "-q",
-                "preprocess",
-                "criteo",
-                "--input",
-                str(raw),
-                "--output",
-                str(out),
-                "--no-progress",
-            ]
-        )
-        == 0
+    dense = [list(range(13)), [5] * 13]
+    cats = [list(range(26)), [0xFFFFFFFF] * 26]
+    raw.write_text(
+        _criteo_line(1, dense[0], cats[0]) + "\n" + _criteo_line(0, dense[1], cats[1]) + "\n"
     )
-    assert out.is_dir()
-    assert capsys.readouterr().out.strip()
+    out = tmp_path / "bin"
+    argv = ["-q", "preprocess", "criteo", "--input", str(raw), "--output", str(out)]
+    assert main([*argv, "--no-progress"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert re.match(
+        rf"wrote 2 rows \(1 positive\) from 1 file\(s\) to {re.escape(str(out))} ", line
+    )
+    assert "no bad lines" in line
+    cols = open_binary(out)
+    assert cols.labels.tolist() == [1.0, 0.0]
+    np.testing.assert_allclose(cols.dense, np.log1p(np.array(dense, dtype=np.float64)), rtol=1e-6)
+    assert cols.sparse.tolist() == cats
 
 
 def test_bench_unknown_name_is_a_clear_error(capsys) -> None:
     assert main(["-q", "bench", "no_such_thing"]) == 2
-    err = capsys.readouterr().err
+    err = _one_line(capsys.readouterr().err)
     assert "no benchmark 'no_such_thing'" in err
     assert "available:" in err
     assert "criteo_real" in err
 
 
-def test_bench_runs_the_script_with_its_args() -> None:
+def test_bench_runs_the_script_with_its_args(capfd) -> None:
+    """The script runs and gets the arguments (its own --help usage is printed)."""
     assert main(["-q", "bench", "criteo_real", "--help"]) == 0
+    assert "usage: bench_criteo_real.py" in capfd.readouterr().out
+
+
+# -- tetrarec's own errors: one line on stderr, the documented exit status -----------------
+
+
+def test_bad_data_line_is_one_line_naming_file_line_and_field(capsys, tmp_path) -> None:
+    """A bad Criteo line stops preprocess and train with exit 2 and the reader's message."""
+    raw = tmp_path / "day.tsv"
+    good = _criteo_line(1, list(range(13)), list(range(26)))
+    raw.write_text(good + "\n" + good.replace("\t5\t", "\t5.5\t", 1) + "\n")
+    out = tmp_path / "bin"
+    argv = ["-q", "preprocess", "criteo", "--input", str(raw), "--output", str(out)]
+    assert main([*argv, "--no-progress"]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert err.startswith(f"tetrarec preprocess: error: {raw}, line 2, field I6: ")
+    assert not out.exists()
+    sets = _sets(*TINY, "data.source=criteo", f"data.train_path={raw}", "model.num_sparse=26")
+    assert main(["-q", "train", "--config", str(SYNTHETIC), *sets]) == 2
+    assert f"{raw}, line 2, field I6" in _one_line(capsys.readouterr().err)
+
+
+def test_missing_data_and_config_are_one_line(capsys, tmp_path) -> None:
+    missing = tmp_path / "nope.toml"
+    assert main(["-q", "train", "--config", str(missing)]) == 2
+    assert str(missing) in _one_line(capsys.readouterr().err)
+    sets = _sets(*TINY, "data.source=binary", f"data.train_path={tmp_path / 'criteo'}")
+    assert main(["-q", "train", "--config", str(SYNTHETIC), *sets]) == 2
+    assert str(tmp_path / "criteo") in _one_line(capsys.readouterr().err)
+
+
+def test_non_finite_loss_is_one_line_and_exit_1(capsys, tmp_path) -> None:
+    sets = _sets(
+        *TINY,
+        "optim.dense=sgd",
+        "optim.dense_lr=1e30",
+        "optim.warmup_steps=0",
+        "optim.decay=none",
+        "train.steps=10",
+        f"train.checkpoint_dir={tmp_path}",
+    )
+    assert main(["-q", "train", "--config", str(SYNTHETIC), *sets]) == 1
+    err = _one_line(capsys.readouterr().err)
+    assert re.match(r"tetrarec train: error: non-finite loss \(\S+\) at step \d+", err)
+
+
+def test_os_error_is_one_line_and_exit_1(capsys, tmp_path) -> None:
+    """A checkpoint directory that is a file: the OSError is reported, not a traceback."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    sets = _sets(*TINY, f"train.checkpoint_dir={blocker}", "train.checkpoint_every=1")
+    assert main(["-q", "train", "--config", str(SYNTHETIC), *sets]) == 1
+    assert str(blocker) in _one_line(capsys.readouterr().err)
+
+
+def test_damaged_checkpoint_is_one_line_and_exit_2(capsys, tmp_path) -> None:
+    """``tetrarec eval`` of a checkpoint whose tensors file is cut short: it ended in
+    safetensors' own traceback."""
+    ckpt = write_checkpoint(
+        tmp_path, CheckpointData(step=1, tensors={"w": torch.zeros(64)}, meta={})
+    )
+    tensors = ckpt / "tensors.safetensors"
+    tensors.write_bytes(tensors.read_bytes()[:40])
+    assert main(["-q", "eval", "--checkpoint", str(ckpt)]) == 2
+    assert f"{tensors}: damaged checkpoint tensors" in _one_line(capsys.readouterr().err)
+
+
+def test_bad_kernels_setting_is_one_line(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("TETRAREC_KERNELS", "fastest")
+    assert main(["-q", "demo", *_sets(*TINY)]) == 2
+    assert "TETRAREC_KERNELS='fastest'" in _one_line(capsys.readouterr().err)
+
+
+def test_kernel_build_failure_under_compiled_is_one_line_and_exit_1(tmp_path) -> None:
+    """With TETRAREC_KERNELS=compiled and a compiler that fails on the sources (a fresh
+    build cache), ``tetrarec demo`` exits 1 with one line naming the compiler's error,
+    before any training: it used to end in a RuntimeError traceback holding the whole
+    compiler output."""
+    real = shutil.which("c++")
+    if real is None:
+        pytest.skip("no c++ to answer the compiler checks that precede a build")
+    fake = tmp_path / "c++"
+    fake.write_text(
+        "#!/bin/sh\n"  # version queries go to the real compiler; every compile fails
+        'for a in "$@"; do case "$a" in --version|-v|-dumpversion|-dumpfullversion|-E)\n'
+        f'  exec {real} "$@";; esac; done\n'
+        "echo \"tbe_cpu.cpp:12:3: error: 'simulated' was not declared\" >&2\n"
+        "exit 1\n"
+    )
+    fake.chmod(0o755)
+    env = dict(os.environ)
+    env.update(TETRAREC_KERNELS="compiled", CXX=str(fake), XDG_CACHE_HOME=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tetrarec", "-q", "demo", *_sets(*TINY)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr
+    err = _one_line(proc.stderr)
+    assert err.startswith("tetrarec demo: error: building tetrarec CPU kernels failed")
+    assert "error: 'simulated' was not declared" in err
+    assert "TETRAREC_KERNELS=compiled" in err
+    assert proc.stdout == ""  # no training ran
+
+
+# -- the README's second Criteo example: the shared sample as it is -----------------------
+
+
+def test_readme_criteo_sample_example_trains_as_written(capsys, monkeypatch, tmp_path, shared_data):
+    """README: ``tetrarec train --config examples/criteo_kaggle_sample.toml``, run from the
+    repository root, reads ../shared/data's raw sample (no preprocessing). Here 2 steps
+    of batch 64; a wrong path, source or row range in the example fails."""
+    del shared_data  # skips when ../shared/data is absent
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "run.json"
+    sets = _sets(
+        "train.steps=2",
+        "train.eval_every=0",
+        "train.progress=false",
+        "data.batch_size=64",
+        f"train.checkpoint_dir={tmp_path / 'ck'}",
+    )
+    config = "examples/criteo_kaggle_sample.toml"
+    assert main(["-q", "train", "--config", config, *sets, "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["steps"] == 2
+    assert summary["final"]["num_samples"] == 12_868 - 11_000  # the held-out rows
+    assert summary["config"]["data"]["source"] == "criteo"
+    _assert_printed_metrics_are(capsys.readouterr().out.splitlines()[0], summary["final"])
+    assert torch.isfinite(torch.tensor(summary["final"]["log_loss"]))

@@ -116,7 +116,8 @@ def open_input(path: Path) -> tuple[io.BufferedIOBase, BinaryIO]:
 
     Raises:
         DataFileNotFoundError: if ``path`` does not exist.
-        DataError: if ``path`` is a directory.
+        DataError: if ``path`` is a directory, or is named ``.gz`` without being gzip
+            data (a damaged header, or text under a misleading name).
     """
     if not path.exists():
         raise DataFileNotFoundError(path)
@@ -127,6 +128,13 @@ def open_input(path: Path) -> tuple[io.BufferedIOBase, BinaryIO]:
     raw.seek(0)
     if magic == b"\x1f\x8b":
         return gzip.GzipFile(fileobj=raw, mode="rb"), raw
+    if path.suffix == ".gz" and magic:
+        raw.close()
+        raise DataError(
+            f"named .gz but not gzip data: it starts with {magic!r}, not the gzip magic "
+            "bytes b'\\x1f\\x8b' (a damaged file, or plain text to be renamed)",
+            path=path,
+        )
     return raw, raw
 
 
@@ -250,6 +258,11 @@ _CONVERT_OPTIONS = pacsv.ConvertOptions(
 
 def _parse_fast(block: bytes) -> CriteoBlock:
     """Parse a block with pyarrow. Raises ``_BlockInvalidError`` when any line is bad."""
+    # Two things pyarrow accepts that are no Criteo data, sent to the strict parser: hex
+    # integers ("0x1f" -> 31; "x" is valid nowhere in a line), and a UTF-8 byte-order
+    # mark at the start of its input (which it drops, here the start of any block).
+    if b"x" in block or b"X" in block or block.startswith(b"\xef\xbb\xbf"):
+        raise _BlockInvalidError
     try:
         table = pacsv.read_csv(
             pa.py_buffer(block),

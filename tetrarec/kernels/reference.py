@@ -211,6 +211,30 @@ def summed_row_gradients(
     return _sum_duplicates(ids, grads, deterministic=True)
 
 
+def _check_ids_before_update(
+    values: torch.Tensor, offsets: torch.Tensor, meta: list[list[int]], batch: int
+) -> None:
+    """Raise as the compiled kernel does for an id outside its table, before any update.
+
+    Without it a negative id would silently update a row from the table's end.
+
+    Raises:
+        RuntimeError: naming the feature (its index), the id and the table's rows.
+    """
+    rows, feat_table = meta[2], meta[4]
+    starts = offsets[::batch].tolist()  # (F+1,) first value of each feature
+    for f, t in enumerate(feat_table):
+        ids = values[starts[f] : starts[f + 1]]
+        if t < 0 or not ids.numel():
+            continue
+        lo, hi = (int(x) for x in torch.aminmax(ids.long()))
+        if lo < 0 or hi >= rows[t]:
+            raise RuntimeError(
+                f"tetrarec tbe backward: feature {f} (its index in the feature order): "
+                f"id {lo if lo < 0 else hi} is outside its table of {rows[t]} rows"
+            )
+
+
 def backward_update(
     grad_out: torch.Tensor,
     weights: torch.Tensor,
@@ -238,6 +262,7 @@ def backward_update(
         kind=kind, lr=lr, eps=eps, beta1=beta1, beta2=beta2, weight_decay=weight_decay
     )
     host = [m.tolist() for m in meta]
+    _check_ids_before_update(values, offsets, host, grad_out.shape[0])
     w_off, dims, rows = host[0], host[1], host[2]
     psw_grad = None
     if per_sample_weights is not None and want_psw_grad:

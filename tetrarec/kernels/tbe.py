@@ -258,7 +258,7 @@ class FusedEmbeddingBagCollection(nn.Module):
                 self._raise_if_bad(bad)
         return out
 
-    def _raise_if_bad(self, bad: torch.Tensor) -> None:
+    def _raise_if_bad(self, bad: torch.Tensor, note: str = "") -> None:
         f, bad_id = (int(x) for x in bad.tolist())
         if f < 0:
             return
@@ -266,8 +266,23 @@ class FusedEmbeddingBagCollection(nn.Module):
         table = next(t for t in self.tables if name in t.feature_names)
         raise ValueError(
             f"feature {name!r}: id {bad_id} is outside its table {table.name!r} of "
-            f"{table.num_embeddings} rows (valid ids are 0..{table.num_embeddings - 1})"
+            f"{table.num_embeddings} rows (valid ids are 0..{table.num_embeddings - 1}){note}"
         )
+
+    def _raise_named_bounds_error(self, values: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Raise the forward's ``ValueError`` naming the feature, for an out-of-range id.
+
+        Called after a failed backward, whose kernel message can only give the feature's
+        index.
+        """
+        batch = lengths.numel() // len(self.feature_names)
+        scratch = torch.empty(batch, sum(self.feature_dims), device=values.device)
+        for s, store in enumerate(self._stores):
+            bad = ops.tbe_forward(
+                self._storage(s), self._meta(s), values, lengths, None, scratch,
+                store.precision.value, True,
+            )  # fmt: skip
+            self._raise_if_bad(bad, note=" (found in backward: check_bounds is off)")
 
     def _meta(self, s: int) -> list[torch.Tensor]:
         return self._cached_meta(s)[0]
@@ -316,11 +331,15 @@ class FusedEmbeddingBagCollection(nn.Module):
         psw_grad = None
         for s, store in enumerate(self._stores):
             meta, offs = self._cached_meta(s)
-            g = ops.tbe_backward_update(
-                grad_out.contiguous(), self._storage(s), meta, values, lengths, psw,
-                self._states(s), offs,
-                kind.value, hparams, store.precision.value, flags,
-            )  # fmt: skip
+            try:
+                g = ops.tbe_backward_update(
+                    grad_out.contiguous(), self._storage(s), meta, values, lengths, psw,
+                    self._states(s), offs,
+                    kind.value, hparams, store.precision.value, flags,
+                )  # fmt: skip
+            except RuntimeError:
+                self._raise_named_bounds_error(values, lengths)
+                raise
             if want_psw:
                 psw_grad = g if psw_grad is None else psw_grad + g
         self.iteration += 1

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from tetrarec.comm import Communicator
@@ -215,20 +216,25 @@ def read_checkpoint(path: str | Path) -> CheckpointData:
 
     Raises:
         FileNotFoundError: if ``path`` is not a complete checkpoint.
-        ValueError: if its format version is unknown.
+        ValueError: if its format version is unknown, or a file is damaged (naming it).
     """
     path = Path(path)
     if not (path / _META).is_file() or not (path / _TENSORS).is_file():
         raise FileNotFoundError(f"{path} is not a checkpoint (no {_META} and {_TENSORS})")
-    meta = json.loads((path / _META).read_text())
+    try:
+        meta = json.loads((path / _META).read_text())
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path / _META}: damaged checkpoint metadata ({e})") from e
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(
             f"{path}: checkpoint format {meta.get('format')!r}, this tetrarec reads "
             f"{CHECKPOINT_FORMAT}"
         )
-    return CheckpointData(
-        step=int(meta["step"]), tensors=load_file(str(path / _TENSORS)), meta=meta
-    )
+    try:
+        tensors = load_file(str(path / _TENSORS))
+    except SafetensorError as e:
+        raise ValueError(f"{path / _TENSORS}: damaged checkpoint tensors ({e})") from e
+    return CheckpointData(step=int(meta["step"]), tensors=tensors, meta=meta)
 
 
 # --- optimizer and RNG states as named tensors plus JSON -------------------------------

@@ -129,7 +129,7 @@ def test_precision_emulated_dlrm_tracks_native_bf16(arch: str) -> None:
     sparse = SparseFeatures.from_lengths(("t0", "t1", "t2"), values, lengths)
     dense = torch.randn(32, 5, generator=gen)
 
-    def model(matmul: str) -> DLRM:
+    def model(matmul: str, dense_precision: str = "bf16") -> DLRM:
         cfg = DLRMConfig(
             num_dense=5,
             bottom_mlp=(16, 8),
@@ -137,7 +137,7 @@ def test_precision_emulated_dlrm_tracks_native_bf16(arch: str) -> None:
             arch=arch,
             dcn_layers=2,
             dcn_low_rank=4,
-            dense_precision="bf16",
+            dense_precision=dense_precision,
             bf16_matmul=matmul,
             seed=0,
         )
@@ -147,6 +147,12 @@ def test_precision_emulated_dlrm_tracks_native_bf16(arch: str) -> None:
     out_nat, out_emu = native(dense, sparse), emulated(dense, sparse)
     assert out_emu.dtype == torch.float32
     torch.testing.assert_close(out_emu, out_nat, rtol=2e-3, atol=2e-3)
+    # ... and BF16 did something: a dense_precision the model ignored would make both
+    # of them FP32 and pass the comparison above.
+    with torch.no_grad():
+        out_32 = model("emulated", "fp32")(dense, sparse)
+        assert _rel(out_emu, out_32) > 1e-4
+        assert _rel(out_nat, out_32) > 1e-4
     out_emu.sum().backward()
     grads = [p.grad for p in emulated.parameters()]
     assert all(g is not None and g.dtype == torch.float32 for g in grads)
@@ -186,3 +192,48 @@ def test_precision_mlp_rounding_hints_change_nothing(
     monkeypatch.setattr("tetrarec.models.mlp.linear", no_hints)
     for a, b in zip(hinted, run(), strict=True):
         assert torch.equal(a, b)
+
+
+def _model_from_run_config(arch: str, dense_precision: str, matmul: str) -> DLRM:
+    """The DLRM a run builds from ``model.dlrm.dense_precision`` (the user's setting)."""
+    from tetrarec.config import RunConfig
+    from tetrarec.train import build_parts
+
+    config = RunConfig().with_overrides(
+        [
+            "model.num_sparse=3",
+            "model.num_embeddings=40",
+            "model.embedding=reference",
+            "model.dlrm.num_dense=5",
+            "model.dlrm.bottom_mlp=[32, 8]",
+            "model.dlrm.top_mlp=[32, 16, 1]",
+            f"model.dlrm.arch={arch}",
+            "model.dlrm.dcn_layers=2",
+            "model.dlrm.dcn_low_rank=4",
+            f"model.dlrm.dense_precision={dense_precision}",
+            f"model.dlrm.bf16_matmul={matmul}",
+        ]
+    )
+    return build_parts(config, num_dense=5).model
+
+
+@pytest.mark.parametrize("arch", ["dlrm", "dcn"])
+def test_precision_bf16_setting_changes_the_output_by_bf16_rounding(arch: str) -> None:
+    """``model.dlrm.dense_precision = "bf16"`` in a run's config must change the model's
+    output, by about BF16's rounding (2^-8 relative per operand): a setting dropped
+    anywhere from the config to the forward gives FP32's output bit for bit and fails
+    here; a BF16 path that rounded far more (or an FP16 one) fails the upper bound."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(0, 4, (3 * 64,), generator=gen)
+    values = torch.randint(0, 40, (int(lengths.sum()),), generator=gen)
+    sparse = SparseFeatures.from_lengths(("C1", "C2", "C3"), values, lengths)
+    dense = torch.randn(64, 5, generator=gen)
+    fp32 = _model_from_run_config(arch, "fp32", "emulated")
+    for matmul in ("emulated", "native"):
+        bf16 = _model_from_run_config(arch, "bf16", matmul)
+        for (name, a), b in zip(fp32.state_dict().items(), bf16.state_dict().values(), strict=True):
+            assert torch.equal(a, b), f"{name}: the two runs must start from the same weights"
+        with torch.no_grad():
+            out32, out16 = fp32(dense, sparse), bf16(dense, sparse)
+        assert out16.dtype == torch.float32
+        assert 1e-4 < _rel(out16, out32) < 3e-2, matmul

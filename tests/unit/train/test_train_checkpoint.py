@@ -1,6 +1,7 @@
 import json
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -133,3 +134,15 @@ def test_rng_states_round_trip(tmp_path) -> None:
     assert np.array_equal(got[1], want[1])
     assert np.array_equal(got[2], want[2])
     assert got[3] == want[3]
+
+
+@pytest.mark.parametrize("damage", ["tensors_cut", "meta_not_json"])
+def test_damaged_checkpoint_is_a_value_error_naming_the_file(tmp_path, damage) -> None:
+    """A truncated tensors file raised safetensors' own error (a traceback from
+    ``tetrarec eval``) and bad JSON a message without the file; both now name it."""
+    path = write_checkpoint(tmp_path, _data(3))
+    target = path / ("tensors.safetensors" if damage == "tensors_cut" else "meta.json")
+    raw = target.read_bytes()
+    target.write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(ValueError, match=re.escape(str(target)) + ": damaged checkpoint"):
+        read_checkpoint(path)

@@ -99,7 +99,9 @@ inline void combine_any(int nv, const float* s, const float* rows, int64_t ld, i
 }
 
 void check_inputs(const at::Tensor& dense, const at::Tensor& embeddings) {
-  TORCH_CHECK(dense.dim() == 2 && embeddings.dim() == 2, "dot_interaction: 2-D inputs");
+  TORCH_CHECK(dense.dim() == 2 && embeddings.dim() == 2,
+              "dot_interaction: dense and embeddings must be 2-D, got ", dense.dim(), "-D and ",
+              embeddings.dim(), "-D");
   TORCH_CHECK(dense.scalar_type() == at::kFloat && embeddings.scalar_type() == at::kFloat,
               "dot_interaction (CPU kernel): FP32 inputs");
   TORCH_CHECK(dense.is_contiguous() && embeddings.is_contiguous(),

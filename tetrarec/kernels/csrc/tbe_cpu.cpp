@@ -353,19 +353,24 @@ namespace {
 template <typename Fn>
 void dispatch_codec(const at::Tensor& weights, const std::string& precision, Fn&& fn) {
   if (precision == "fp32") {
-    TORCH_CHECK(weights.scalar_type() == at::kFloat, "fp32 rows need float32 storage");
+    TORCH_CHECK(weights.scalar_type() == at::kFloat,
+                "tetrarec tbe: fp32 rows need float32 storage, got ", weights.scalar_type());
     fn(F32{});
   } else if (precision == "fp16") {
-    TORCH_CHECK(weights.scalar_type() == at::kHalf, "fp16 rows need float16 storage");
+    TORCH_CHECK(weights.scalar_type() == at::kHalf,
+                "tetrarec tbe: fp16 rows need float16 storage, got ", weights.scalar_type());
     fn(F16{});
   } else if (precision == "bf16") {
-    TORCH_CHECK(weights.scalar_type() == at::kBFloat16, "bf16 rows need bfloat16 storage");
+    TORCH_CHECK(weights.scalar_type() == at::kBFloat16,
+                "tetrarec tbe: bf16 rows need bfloat16 storage, got ", weights.scalar_type());
     fn(BF16{});
   } else if (precision == "int8") {
-    TORCH_CHECK(weights.scalar_type() == at::kByte, "int8 rows need uint8 storage");
+    TORCH_CHECK(weights.scalar_type() == at::kByte,
+                "tetrarec tbe: int8 rows need uint8 storage, got ", weights.scalar_type());
     fn(IntRow<8>{});
   } else if (precision == "int4") {
-    TORCH_CHECK(weights.scalar_type() == at::kByte, "int4 rows need uint8 storage");
+    TORCH_CHECK(weights.scalar_type() == at::kByte,
+                "tetrarec tbe: int4 rows need uint8 storage, got ", weights.scalar_type());
     fn(IntRow<4>{});
   } else {
     TORCH_CHECK(false, "tetrarec tbe: unsupported row precision ", precision);
@@ -377,10 +382,14 @@ at::Tensor tbe_forward(const at::Tensor& weights, const std::vector<at::Tensor>&
                        const c10::optional<at::Tensor>& psw, at::Tensor& out,
                        const std::string& precision, bool check) {
   const Meta M = read_meta(meta);
-  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.dim() == 2);
-  TORCH_CHECK(weights.is_contiguous() && values.is_contiguous());
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.dim() == 2,
+              "tetrarec tbe forward: out must be a contiguous 2-D float32 tensor, got ",
+              out.dim(), "-D ", out.scalar_type());
+  TORCH_CHECK(weights.is_contiguous() && values.is_contiguous(),
+              "tetrarec tbe forward: weights and values must be contiguous");
   const int64_t B = out.size(0);
-  TORCH_CHECK(lengths.numel() == M.F * B, "lengths must have F*B entries");
+  TORCH_CHECK(lengths.numel() == M.F * B, "tetrarec tbe forward: lengths must have F*B = ", M.F,
+              "*", B, " entries, got ", lengths.numel());
   const std::vector<int64_t> offsets = offsets_of(lengths);
   const float* psw_p = nullptr;
   at::Tensor psw_c;
@@ -410,7 +419,9 @@ at::Tensor tbe_backward_update(const at::Tensor& grad_out, at::Tensor& weights,
                                const std::string& precision, const std::vector<int64_t>& flags) {
   const Meta M = read_meta(meta);
   at::Tensor g = grad_out.contiguous().to(at::kFloat);
-  TORCH_CHECK(hparams.size() == 5 && flags.size() == 5, "tbe backward: bad hparams/flags");
+  TORCH_CHECK(hparams.size() == 5 && flags.size() == 5,
+              "tetrarec tbe backward: hparams and flags need 5 entries each, got ", hparams.size(),
+              " and ", flags.size());
   const std::vector<int64_t> offsets = offsets_of(lengths);
   TORCH_CHECK(values.is_contiguous(), "tetrarec tbe: values must be contiguous");
   BackwardArgs A;
@@ -436,9 +447,13 @@ at::Tensor tbe_backward_update(const at::Tensor& grad_out, at::Tensor& weights,
       A.psw_grad = psw_grad.data_ptr<float>();
     }
   }
-  TORCH_CHECK(states.size() == state_offsets.size() && states.size() <= 3);
+  TORCH_CHECK(states.size() == state_offsets.size() && states.size() <= 3,
+              "tetrarec tbe backward: one offsets tensor per state tensor and at most 3 states, "
+              "got ", states.size(), " states and ", state_offsets.size(), " offsets");
   for (size_t k = 0; k < states.size(); ++k) {
-    TORCH_CHECK(states[k].scalar_type() == at::kFloat && states[k].is_contiguous());
+    TORCH_CHECK(states[k].scalar_type() == at::kFloat && states[k].is_contiguous(),
+                "tetrarec tbe backward: optimizer state ", k, " must be contiguous float32, got ",
+                states[k].scalar_type());
     A.state[k] = states[k].data_ptr<float>();
     A.state_off[k] = state_offsets[k].data_ptr<int64_t>();
   }

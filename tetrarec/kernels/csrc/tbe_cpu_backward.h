@@ -156,7 +156,8 @@ const uint64_t* sorted_keys(const BackwardArgs& A, const Idx* values, Scratch& S
     skipped[f + 1] = skipped[f] + (t < 0 ? cnt : 0);
     if (t >= 0) total_rows = std::max(total_rows, M.row_off[t] + M.rows[t]);
   }
-  TORCH_CHECK(total_rows < (int64_t(1) << 32), "tetrarec tbe: more than 2^32 rows in one store");
+  TORCH_CHECK(total_rows < (int64_t(1) << 32), "tetrarec tbe: ", total_rows,
+              " rows in one store, more than 2^32");
   const int64_t n = N - skipped[M.F];
   if (static_cast<int64_t>(S.keys.size()) < n) {
     S.keys.resize(n);
@@ -194,8 +195,9 @@ const uint64_t* sorted_keys(const BackwardArgs& A, const Idx* values, Scratch& S
   if (bad_pos.load() < N) {
     const int64_t j = bad_pos.load();
     const int64_t s = std::upper_bound(A.offsets, A.offsets + M.F * A.B + 1, j) - A.offsets - 1;
-    TORCH_CHECK(false, "tetrarec tbe backward: id ", static_cast<int64_t>(values[j]),
-                " outside table of ", M.rows[M.feat_table[s / A.B]], " rows");
+    TORCH_CHECK(false, "tetrarec tbe backward: feature ", s / A.B,
+                " (its index in the feature order): id ", static_cast<int64_t>(values[j]),
+                " is outside its table of ", M.rows[M.feat_table[s / A.B]], " rows");
   }
   int bits = 1;
   while ((int64_t(1) << bits) < total_rows) ++bits;
@@ -409,7 +411,9 @@ void update_range(const UpdateCtx& C, int64_t k, int64_t k_end) {
 template <class Codec, typename Idx>
 void backward_impl(at::Tensor& weights, const BackwardArgs& A, const Idx* values, int64_t N) {
   const Meta& M = *A.M;
-  TORCH_CHECK(N < (int64_t(1) << 31) && M.F * A.B < (int64_t(1) << 31), "batch too large");
+  TORCH_CHECK(N < (int64_t(1) << 31) && M.F * A.B < (int64_t(1) << 31),
+              "tetrarec tbe backward: batch too large: ", N, " ids and ", M.F * A.B,
+              " bags, each must be below 2^31");
   Scratch& S = scratch();
   int64_t n = 0;
   const uint64_t* keys = sorted_keys(A, values, S, &n);
