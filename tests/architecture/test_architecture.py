@@ -23,6 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "cache": {"types", "sparse", "embedding", "kernels", "_utils"},
     "comm": {"types", "sparse", "embedding", "_utils"},
     "models": {"types", "sparse", "embedding", "kernels", "_utils"},
+    "sharding": {"types", "sparse", "embedding", "kernels", "cache", "comm", "_utils"},
     "_utils": {"types"},
 }
 FORBIDDEN_EVERYWHERE = {"testing", "experiments", "tests", "benchmarks"}
@@ -65,6 +66,21 @@ def test_imports_point_one_way(path: Path) -> None:
     if pkg in ALLOWED:
         bad = imported - ALLOWED[pkg]
         assert not bad, f"{path} ({pkg}) may not import {sorted(bad)}"
+
+
+def test_only_comm_calls_collectives() -> None:
+    """torch.distributed is imported by comm/ (and the test harness, which starts ranks)."""
+    for path in _sources():
+        if _package_of(path) in {"comm", "testing"}:
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            assert not any(n.startswith("torch.distributed") for n in names), path
 
 
 def test_models_never_import_sharding() -> None:

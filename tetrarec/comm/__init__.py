@@ -6,6 +6,7 @@ from tetrarec.comm.process_group import (
     LaunchInfo,
     destroy,
     init_from_env,
+    is_joined,
     launch_info,
     second_group,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "LaunchInfo",
     "destroy",
     "init_from_env",
+    "is_joined",
     "launch_info",
     "second_group",
 ]

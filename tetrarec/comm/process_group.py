@@ -17,7 +17,14 @@ import torch.distributed as dist
 
 from tetrarec.comm.collectives import Communicator
 
-__all__ = ["LaunchInfo", "destroy", "init_from_env", "launch_info", "second_group"]
+__all__ = [
+    "LaunchInfo",
+    "destroy",
+    "init_from_env",
+    "is_joined",
+    "launch_info",
+    "second_group",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +94,11 @@ def second_group(comm: Communicator) -> Communicator:
         return Communicator(None, rank=0, world_size=1, timeout=comm.timeout)
     group = dist.new_group(ranks=list(range(comm.world_size)), timeout=comm.timeout)
     return Communicator(group, rank=comm.rank, world_size=comm.world_size, timeout=comm.timeout)
+
+
+def is_joined() -> bool:
+    """True when this process is already in a process group (its caller's to leave)."""
+    return dist.is_initialized()
 
 
 def destroy() -> None:

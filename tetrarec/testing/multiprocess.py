@@ -83,7 +83,8 @@ def _child(
             ctx = RankContext(rank, world_size, local_world_size, comm)
             out.put((rank, "ok", _to_wire(fn(ctx, *args))))
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
     except BaseException:
         out.put((rank, "error", traceback.format_exc()))
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F  # torch's convention
 from tqdm import tqdm
 
-from tetrarec.comm import LaunchInfo, destroy
+from tetrarec.comm import LaunchInfo, destroy, is_joined
 from tetrarec.config import RunConfig, TrainConfig
 from tetrarec.data import BatchLoader, build_datasets
 from tetrarec.sparse import Batch
@@ -150,13 +150,16 @@ def train(
         ValueError: on a bad configuration, or ``resume`` without a checkpoint.
     """
     launch = launch or LaunchInfo()
+    # A process group this call joins, it leaves; one its caller joined, it leaves alone.
+    owns_group = launch.distributed and not is_joined()
     with _runtime(config.train):
         try:
             run = _Run(config, launch)
         except BaseException:
-            if launch.distributed:
+            if owns_group:
                 destroy()
             raise
+        run.owns_group = owns_group
         try:
             if resume:
                 run.resume()
@@ -193,6 +196,7 @@ class _Run:
         self.last_checkpoint: Path | None = None
         self.evals: list[tuple[int, Metrics]] = []
         self.loader: BatchLoader | None = None
+        self.owns_group = False  # set by train()
         self.writer = _summary_writer(config.train) if self.rank == 0 else None  # last
 
     def resume(self) -> None:
@@ -343,7 +347,7 @@ class _Run:
             self.loader.close()
         if self.writer is not None:
             self.writer.close()
-        if self.env is not None:
+        if self.owns_group:
             destroy()
 
 
