@@ -35,7 +35,14 @@ from tetrarec.embedding import TableConfig
 from tetrarec.sharding.env import ShardingEnv
 from tetrarec.sharding.group import LocalShard, LookupOptions, ShardedGroup, select_features
 from tetrarec.sharding.plan import TablePlan
-from tetrarec.sharding.routing import Outgoing, Routed, route_features, send_pooled
+from tetrarec.sharding.routing import (
+    BlockColumns,
+    Outgoing,
+    Routed,
+    place_columns,
+    route_features,
+    send_pooled,
+)
 from tetrarec.sparse import SparseFeatures
 from tetrarec.types import OptimizerKind
 
@@ -100,27 +107,26 @@ class BlockGroup(ShardedGroup):
         index = {f: i for i, f in enumerate(self.feature_names)}
         self._send_index = [[index[f] for f in r] for r in self.receives]
         mine = self.receives[env.rank]
-        self._local_index = [
-            mine.index(f.split("#")[0]) for s in self.shards for f in s.feature_names
-        ]
+        self._local_index = [mine.index(_global(f)) for s in self.shards for f in s.feature_names]
         self._local_keys = [f for s in self.shards for f in s.feature_names]
-        # Columns: what each rank's pooled block holds, then where each goes in the output.
-        held: list[tuple[str, int]] = []
+        # Columns: what each rank's pooled block holds, and where each goes in the output
+        # (feature f's column c sits at start[f] + c).
+        start, col = {}, 0
+        for f, d in zip(self.feature_names, self.feature_dims):
+            start[f] = col
+            col += d
         self.dims: list[int] = []
+        placement = []
         for rank in range(w):
-            block = [
-                (f.split("#")[0], c)
+            dst = [
+                start[_global(f)] + c
                 for s in shards_of[rank]
                 for f in s.feature_names
                 for c in range(*s.cols)
             ]
-            held.extend(block)
-            self.dims.append(len(block))
-        where = {fc: j for j, fc in enumerate(held)}
-        order = [(f, c) for f, d in zip(self.feature_names, self.feature_dims) for c in range(d)]
-        perm = [where[fc] for fc in order]
-        self._identity = perm == list(range(len(perm)))
-        self.column_order = torch.tensor(perm, dtype=torch.int64, device=env.device)
+            self.dims.append(len(dst))
+            placement.append(BlockColumns.from_columns(dst))
+        self._placement = tuple(placement)
 
     def input_dist(self, features: SparseFeatures) -> Handle[Routed]:
         """Send every rank the features of the blocks it holds."""
@@ -162,11 +168,9 @@ class BlockGroup(ShardedGroup):
             label=f"output_dist/{self.label}",
         )
 
-        def assemble(parts: list[torch.Tensor]) -> torch.Tensor:
-            joined = torch.cat(parts, dim=1)  # (B, sum of dims), rank-major
-            return joined if self._identity else joined.index_select(1, self.column_order)
-
-        return blocks.then(assemble)
+        own = routed.source_batches[self.env.rank]
+        total = sum(self.feature_dims)
+        return blocks.then(lambda flat: place_columns(flat, own, self._placement, total))
 
 
 class RowwiseAcrossBlocks:

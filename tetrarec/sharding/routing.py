@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,9 +35,11 @@ from tetrarec.comm import Communicator, Handle
 from tetrarec.sparse import SparseFeatures
 
 __all__ = [
+    "BlockColumns",
     "Outgoing",
     "Routed",
     "bad_id",
+    "place_columns",
     "regroup_key_major",
     "route_features",
     "send_pooled",
@@ -194,7 +197,7 @@ def send_pooled(
     source_batches: Sequence[int],
     dims: Sequence[int],
     label: str,
-) -> Handle[list[torch.Tensor]]:
+) -> Handle[torch.Tensor]:
     """Send the pooled rows of each source's samples back to it (an all-to-all).
 
     Args:
@@ -205,14 +208,82 @@ def send_pooled(
         label: the counted name.
 
     Returns:
-        A handle to one ``(own batch, dims[q])`` block per rank ``q``.
+        A handle to the flat received rows: one ``(own batch, dims[q])`` row-major block
+        per rank ``q``, back to back (see ``place_columns``).
     """
     me = comm.rank
     flat = pooled.reshape(-1)
     send = [b * dims[me] for b in source_batches]
     own = source_batches[me]
     recv = [own * d for d in dims]
-    handle = comm.all_to_all_v(flat, send_splits=send, recv_splits=recv, label=label)
-    return handle.then(
-        lambda got: [blk.view(own, d) for blk, d in zip(torch.split(got, recv), dims)]
-    )
+    return comm.all_to_all_v(flat, send_splits=send, recv_splits=recv, label=label)
+
+
+@dataclass(frozen=True)
+class BlockColumns:
+    """Where one ``(B, width)`` block of a flat buffer goes in the output's columns.
+
+    Args:
+        width: the block's columns.
+        runs: ``(first column in the block, first column in the output, columns)``
+            of each run of columns copied as one piece.
+    """
+
+    width: int
+    runs: tuple[tuple[int, int, int], ...]
+
+    @staticmethod
+    def from_columns(dst: Sequence[int]) -> BlockColumns:
+        """The block whose column ``j`` goes to output column ``dst[j]``."""
+        runs: list[tuple[int, int, int]] = []
+        for j, c in enumerate(dst):
+            if runs and runs[-1][0] + runs[-1][2] == j and runs[-1][1] + runs[-1][2] == c:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((j, c, 1))
+        return BlockColumns(len(dst), tuple(runs))
+
+
+def place_columns(
+    flat: torch.Tensor, batch: int, blocks: Sequence[BlockColumns], total: int
+) -> torch.Tensor:
+    """``(batch, total)`` from ``(batch, width)`` blocks laid one after another in ``flat``.
+
+    Every output column comes from exactly one block column (a permutation), copied in
+    runs of adjacent columns by one concatenation. Differentiable: backward gathers the
+    same runs back into a flat gradient, one concatenation per block (no zero-filled
+    scatter, no per-block split).
+    """
+    out: torch.Tensor = _PlaceColumns.apply(flat, batch, tuple(blocks), total)  # type: ignore[no-untyped-call]  # torch leaves apply unannotated
+    return out
+
+
+class _PlaceColumns(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, flat: torch.Tensor, batch: int, blocks: tuple[BlockColumns, ...], total: int
+    ) -> torch.Tensor:
+        ctx.batch, ctx.blocks = batch, blocks
+        pieces: list[tuple[int, torch.Tensor]] = []  # (output column, (B, n) view)
+        offset = 0
+        for blk in blocks:
+            src = flat[offset : offset + batch * blk.width].view(batch, blk.width)
+            pieces.extend((d, src[:, s : s + n]) for s, d, n in blk.runs)
+            offset += batch * blk.width
+        pieces.sort(key=lambda p: p[0])
+        out = flat.new_empty(batch, total)
+        if pieces:
+            torch.cat([p for _, p in pieces], dim=1, out=out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        batch, blocks = ctx.batch, ctx.blocks
+        flat = grad.new_empty(sum(batch * b.width for b in blocks))
+        offset = 0
+        for blk in blocks:
+            if blk.width:
+                dst = flat[offset : offset + batch * blk.width].view(batch, blk.width)
+                torch.cat([grad[:, d : d + n] for _, d, n in blk.runs], dim=1, out=dst)
+            offset += batch * blk.width
+        return flat, None, None, None

@@ -187,11 +187,12 @@ class RowGroup(ShardedGroup):
             )
             own = routed.source_batches[comm.rank]
 
-            def add(parts: list[torch.Tensor]) -> torch.Tensor:
-                out = parts[0].new_zeros(own, sum(self.feature_dims))
-                for cols, part in zip(self._cols, parts):
-                    if cols.numel():
-                        out = out.index_add(1, cols, part)
+            def add(flat: torch.Tensor) -> torch.Tensor:
+                parts = torch.split(flat, [own * d for d in self.dims])
+                out = flat.new_zeros(own, sum(self.feature_dims))
+                for cols, part, d in zip(self._cols, parts, self.dims):
+                    if d:
+                        out = out.index_add(1, cols, part.view(own, d))
                 return out
 
             summed = blocks.then(add)

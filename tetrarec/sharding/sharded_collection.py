@@ -30,6 +30,7 @@ from tetrarec.kernels import FusedEmbeddingBagCollection, FusedOptimizer
 from tetrarec.sharding.env import ShardingEnv
 from tetrarec.sharding.group import LookupOptions, ShardedGroup
 from tetrarec.sharding.plan import ShardingPlan, TablePlan
+from tetrarec.sharding.routing import BlockColumns, place_columns
 from tetrarec.sharding.strategy import STRATEGIES
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures, permute_keys
 
@@ -73,14 +74,19 @@ class ShardedEmbeddingBagCollection(nn.Module):
             for members in by_key.values()
         )
         # The groups' output columns, side by side, put back in feature order.
-        col, where = 0, {}
-        for g in self._groups():
-            for f, d in zip(g.feature_names, g.feature_dims):
-                where[f] = (col, d)
-                col += d
-        perm = [c for f in self.feature_names for c in range(where[f][0], sum(where[f]))]
-        self._identity = perm == list(range(len(perm)))
-        self.column_order = torch.tensor(perm, dtype=torch.int64, device=env.device)
+        start, col = {}, 0
+        for f, d in zip(self.feature_names, self.feature_dims):
+            start[f] = col
+            col += d
+        self._placement = tuple(
+            BlockColumns.from_columns(
+                [start[f] + c for f, d in zip(g.feature_names, g.feature_dims) for c in range(d)]
+            )
+            for g in self._groups()
+        )
+        self._identity = len(self._placement) == 1 and self._placement[0].runs == (
+            (0, 0, sum(self.feature_dims)),
+        )
         self.fused_optimizer = FusedOptimizer(options.optimizer, self)
         for g in self._groups():
             g.use_optimizer(self.fused_optimizer)
@@ -102,9 +108,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
             pooled = [g.lookup(r.wait()) for g, r in zip(groups, routed)]
         with record_function("tetrarec/output_dist"):
             outs = [g.output_dist(p, r.wait()) for g, p, r in zip(groups, pooled, routed)]
-            values = torch.cat([o.wait() for o in outs], dim=1)  # (B, sum D), group order
-        if not self._identity:
-            values = values.index_select(1, self.column_order)
+            parts = [o.wait() for o in outs]  # (B, D_g) each
+        if self._identity:
+            values = parts[0]
+        else:
+            flat = torch.cat([p.reshape(-1) for p in parts])
+            batch = features.batch_size
+            values = place_columns(flat, batch, self._placement, sum(self.feature_dims))
         return PooledEmbeddings(self.feature_names, self.feature_dims, values)
 
     # -- what the rank holds --------------------------------------------------------------

@@ -66,12 +66,13 @@ def _child(
     local_world_size: int,
     store_path: str,
     collective_timeout_s: float,
+    deterministic: bool,
     args: Sequence[Any],
     out: Any,
 ) -> None:
     try:
         torch.set_num_threads(1)
-        torch.use_deterministic_algorithms(True)
+        torch.use_deterministic_algorithms(deterministic)
         torch.manual_seed(rank)
         timeout = datetime.timedelta(seconds=collective_timeout_s)
         store = FileStore(store_path, world_size)
@@ -97,6 +98,7 @@ def run_ranks(
     local_world_size: int | None = None,
     timeout_s: float = 180.0,
     collective_timeout_s: float = 60.0,
+    deterministic: bool = True,
 ) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``world_size`` gloo ranks; return each rank's result.
 
@@ -107,6 +109,8 @@ def run_ranks(
         local_world_size: ranks per simulated node (default: all on one node).
         timeout_s: the whole run's deadline; stragglers are killed after it.
         collective_timeout_s: each collective's timeout.
+        deterministic: run under ``torch.use_deterministic_algorithms`` (tests; it also
+            fills new tensors with NaN, which catches reads of unwritten memory).
 
     Raises:
         RankFailedError: if a rank raised (with its traceback), exited without a result,
@@ -126,6 +130,7 @@ def run_ranks(
                     local_world_size or world_size,
                     store,
                     collective_timeout_s,
+                    deterministic,
                     tuple(args),
                     results,
                 ),
