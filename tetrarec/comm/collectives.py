@@ -133,10 +133,10 @@ class Communicator:
                 f"after {self.timeout.total_seconds():.0f} s: {e}"
             ) from e
 
-    def _warn_once(self, key: str, message: str) -> None:
+    def _note_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            logger.warning(message)
+            logger.info(message)
 
     def _check_splits(self, name: str, splits: Sequence[int]) -> list[int]:
         if len(splits) != self.world_size or min(splits, default=0) < 0:
@@ -237,7 +237,7 @@ class Communicator:
                 f"rank {self.rank}: {label}: splits sum to {sum(sp)}, x has {x.shape[0]} rows"
             )
         if self.world_size > 1:
-            self._warn_once(
+            self._note_once(
                 "reduce_scatter",
                 f"reduce-scatter runs as all-to-all + a rank-order local sum on {self.backend}",
             )

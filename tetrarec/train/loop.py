@@ -184,6 +184,8 @@ class _Run:
         np.random.seed(config.train.seed)
         torch.manual_seed(config.train.seed)
         self.env = sharding_env(config, launch) if launch.distributed else None
+        if self.env is None and (config.sharding.type or config.sharding.plan):
+            logger.info("one process: the [sharding] section applies to torchrun launches")
         self.rank, self.world = (self.env.rank, self.env.world_size) if self.env else (0, 1)
         self.train_ds, self.eval_ds = build_datasets(config.data, build_tables(config.model))
         if self.env is not None:
