@@ -335,9 +335,13 @@ def run_point(cfg: Config, kind: str, world: int, with_torchrec: bool) -> list[d
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--types", default=",".join(TYPES), help="comma-separated; 'mixed' cycles "
-                   "TW, RW, CW, DP over the tables")  # fmt: skip
-    p.add_argument("--world-sizes", default="2,4")
+    p.add_argument(
+        "--types",
+        default=None,
+        help="comma-separated (default: all; with --smoke: table_wise,mixed); "
+        "'mixed' cycles TW, RW, CW, DP over the tables",
+    )
+    p.add_argument("--world-sizes", default=None, help="default 2,4 (with --smoke: 2)")
     p.add_argument("--tables", type=int, default=26)
     p.add_argument("--rows", type=int, default=1_000_000)
     p.add_argument("--dp-rows", type=int, default=100_000)
@@ -370,11 +374,12 @@ def main(argv: list[str] | None = None) -> int:
         smoke=args.smoke,
         cores=args.cores,
     )
-    kinds = [t.strip() for t in args.types.split(",") if t.strip()]
+    types = args.types or ("table_wise,mixed" if args.smoke else ",".join(TYPES))
+    kinds = [t.strip() for t in types.split(",") if t.strip()]
     bad = [k for k in kinds if k not in TYPES]
     if bad:
         raise SystemExit(f"unknown --types {bad}; valid: {', '.join(TYPES)}")
-    worlds = [int(w) for w in args.world_sizes.split(",")]
+    worlds = [int(w) for w in (args.world_sizes or ("2" if args.smoke else "2,4")).split(",")]
     with_torchrec = args.torchrec == "auto" and torchrec_available() and not args.smoke
     results = run_point(cfg, "none", 1, False)
     for world in worlds:
