@@ -1,10 +1,11 @@
 """Sharded equals unsharded, for every sharding type, on gloo ranks.
 
-Every case is spelled out below (no sampling). Per sharding type and world size, seven
+Every case is spelled out below (no sampling). Per sharding type and world size, eight
 cases: {sum, sum with per-id weights, mean pooling} x {row-wise Adagrad, Adam} on FP32
-rows, and one on FP16 rows with stochastic rounding; 3 training steps and an evaluation
-pass each. The tables have row counts not divisible by any world size (11, 7, 5) and one
-table is looked up by two features. TW/RW/CW/DP and a mixed plan run at world sizes 2 and
+rows, one on FP16 rows with stochastic rounding, and one that trains one step in one
+process and then shards the trained collection (``shard_collection``); 3 training steps
+and an evaluation pass each. The tables have row counts not divisible by any world size
+(11, 7, 5) and one table is looked up by two features. TW/RW/CW/DP and a mixed plan run at world sizes 2 and
 3; TWRW/TWCW (and a mixed hierarchical plan) at 4 = 2 nodes x 2 ranks. One spawn per
 world size runs all its cases.
 
@@ -91,6 +92,17 @@ def cases_for(types: dict[str, tuple[tuple[str, ...], bool, bool]]) -> list[Equi
                         exact=exact,
                     )
                 )
+        out.append(
+            EquivalenceCase(
+                name=f"{name}/adam/sum/fp32/sharded-after-1-step-in-one-process",
+                tables=tables("sum"),
+                types=kinds,
+                optimizer=ADAM,
+                steps=3,
+                warm_start_steps=1,
+                exact=exact_elementwise,
+            )
+        )
         out.append(
             EquivalenceCase(
                 name=f"{name}/adam/sum/fp16",

@@ -20,6 +20,7 @@ from tetrarec.sharding.group import LookupOptions, ShardedGroup
 from tetrarec.sharding.plan import Shard, ShardingPlan, TablePlan
 from tetrarec.sharding.shard import check_ranks_agree, shard_collection, shard_model
 from tetrarec.sharding.sharded_collection import ShardedEmbeddingBagCollection
+from tetrarec.sharding.state_dict import copy_unsharded_state, local_blocks, unshard
 from tetrarec.sharding.strategy import STRATEGIES, PlacementContext, plan_by_type
 
 __all__ = [
@@ -33,7 +34,10 @@ __all__ = [
     "ShardingPlan",
     "TablePlan",
     "check_ranks_agree",
+    "copy_unsharded_state",
+    "local_blocks",
     "plan_by_type",
     "shard_collection",
     "shard_model",
+    "unshard",
 ]

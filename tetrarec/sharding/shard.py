@@ -25,7 +25,6 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -35,8 +34,9 @@ from tetrarec.sharding.env import ShardingEnv
 from tetrarec.sharding.group import LookupOptions
 from tetrarec.sharding.plan import ShardingPlan
 from tetrarec.sharding.sharded_collection import ShardedEmbeddingBagCollection
+from tetrarec.sharding.state_dict import copy_unsharded_state
 
-__all__ = ["check_ranks_agree", "copy_unsharded_state", "shard_collection", "shard_model"]
+__all__ = ["check_ranks_agree", "shard_collection", "shard_model"]
 
 
 def _diff(a: Any, b: Any, path: str = "") -> list[str]:
@@ -75,40 +75,6 @@ def _tables_fact(module: FusedEmbeddingBagCollection) -> str:
         for t in module.tables
     ]
     return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
-
-
-def copy_unsharded_state(
-    source: FusedEmbeddingBagCollection, target: ShardedEmbeddingBagCollection
-) -> None:
-    """Copy the rows and optimizer state of ``source`` into ``target``'s blocks."""
-    rows = source.state_dict()
-    state = source.fused_optimizer.state_dict()["state"]
-    own = target.fused_optimizer.state_dict()["state"]
-    for group in target._groups():
-        local = group.local
-        if local is None:
-            continue
-        new_rows = {}
-        for shard, lt in zip(group.shards, local.tables):
-            (r0, r1), (c0, c1) = shard.rows, shard.cols
-            full = rows[f"weights.{shard.table.name}"]
-            if shard.table.precision.is_integer and (c0, c1) != (0, shard.table.dim):
-                decoded = source.table_weights()[shard.table.name][r0:r1, c0:c1]
-                from tetrarec.kernels import encode_rows
-
-                new_rows[f"weights.{lt.name}"] = encode_rows(
-                    decoded, shard.table.precision, stochastic=False
-                )
-            elif shard.table.precision.is_integer:
-                new_rows[f"weights.{lt.name}"] = full[r0:r1]
-            else:
-                new_rows[f"weights.{lt.name}"] = full[r0:r1, c0:c1]
-            for name, value in state[shard.table.name].items():
-                piece = value[r0:r1, c0:c1] if value.dim() == 2 else value[r0:r1]
-                with torch.no_grad():
-                    own[lt.name][name].copy_(piece)
-        new_rows["rounding"] = torch.tensor([source.seed, source.iteration])
-        local.load_state_dict(new_rows)
 
 
 def shard_collection(

@@ -29,6 +29,8 @@ def permute_keys(sf: SparseFeatures, keys: Sequence[str]) -> SparseFeatures:
     Raises:
         ValueError: if a key is not present.
     """
+    if tuple(keys) == sf.keys:
+        return sf  # already in order: nothing to copy
     missing = [k for k in keys if k not in sf.keys]
     if missing:
         raise ValueError(f"keys {missing} not in features {sf.keys}")

@@ -31,7 +31,9 @@ from tetrarec.sharding import (
     ShardingEnv,
     ShardingPlan,
     plan_by_type,
+    shard_collection,
 )
+from tetrarec.sharding.state_dict import local_blocks, unshard
 from tetrarec.sparse import SparseFeatures
 from tetrarec.testing.multiprocess import RankContext
 from tetrarec.types import ShardingType
@@ -43,7 +45,6 @@ __all__ = [
     "rank_slice",
     "reference_run",
     "sharded_cases_worker",
-    "unshard",
 ]
 
 
@@ -66,6 +67,8 @@ class EquivalenceCase:
         stochastic_rounding: for low-precision rows.
         exact: expect bitwise-equal outputs and rows (pure data movement).
         weight_grad: the per-id weights require grad; their gradient is compared too.
+        warm_start_steps: train a one-process collection for this many steps first, then
+            shard it (``shard_collection``: rows, optimizer state and rounding copied).
     """
 
     name: str
@@ -82,6 +85,7 @@ class EquivalenceCase:
     stochastic_rounding: bool = True
     exact: bool = False
     weight_grad: bool = False
+    warm_start_steps: int = 0
 
     def sharding_plan(self, world_size: int, local_world_size: int) -> ShardingPlan:
         """The case's plan for this world."""
@@ -128,24 +132,34 @@ def rank_slice(bags: Bags, weights: Bags | None, rank: int, world_size: int) -> 
     return SparseFeatures.from_lists(mine, weights=w)
 
 
-def _blocks(module: ShardedEmbeddingBagCollection) -> dict[str, Any]:
-    state = module.fused_optimizer.state_dict()["state"]
-    return {
-        "layout": module.shard_layout(),
-        "weights": module.table_weights(),
-        "state": {name: {k: v.clone() for k, v in s.items()} for name, s in state.items()},
-    }
-
-
 def _run_case(ctx: RankContext, case: EquivalenceCase) -> dict[str, Any]:
     env = ShardingEnv(ctx.comm, ctx.local_world_size)
     plan = case.sharding_plan(ctx.world_size, ctx.local_world_size)
     options = LookupOptions(
         optimizer=case.optimizer, seed=case.seed, stochastic_rounding=case.stochastic_rounding
     )
-    module = ShardedEmbeddingBagCollection(case.tables, plan, env, options)
-    outputs, weight_grads = [], []
-    for step in range(case.steps):
+    outputs: list[torch.Tensor] = []
+    weight_grads: list[torch.Tensor] = []
+    if case.warm_start_steps:
+        # Train a one-process collection on the whole batches first (every rank alike),
+        # then shard it: its rows, optimizer state and rounding stream must carry over.
+        whole = FusedEmbeddingBagCollection(
+            case.tables,
+            case.optimizer,
+            seed=case.seed,
+            stochastic_rounding=case.stochastic_rounding,
+        )
+        b = case.batch_size
+        lo, hi = ctx.rank * b // ctx.world_size, (ctx.rank + 1) * b // ctx.world_size
+        for step in range(case.warm_start_steps):
+            bags, weights, grad = global_batch(case, step)
+            out = whole(SparseFeatures.from_lists(bags, weights=weights)).values
+            outputs.append(out.detach()[lo:hi].clone())
+            torch.autograd.backward(out, grad)
+        module = shard_collection(whole, plan, env)
+    else:
+        module = ShardedEmbeddingBagCollection(case.tables, plan, env, options)
+    for step in range(case.warm_start_steps, case.steps):
         bags, weights, grad = global_batch(case, step)
         sf = _with_weight_grad(rank_slice(bags, weights, ctx.rank, ctx.world_size), case)
         b = grad.shape[0]
@@ -159,7 +173,12 @@ def _run_case(ctx: RankContext, case: EquivalenceCase) -> dict[str, Any]:
         bags, weights, _ = global_batch(case, case.steps)
         outputs.append(module(rank_slice(bags, weights, ctx.rank, ctx.world_size)).values)
     stats = {k: (v.calls, v.bytes_sent) for k, v in ctx.comm.stats.items()}
-    return {"outputs": outputs, "weight_grads": weight_grads, **_blocks(module), "stats": stats}
+    return {
+        "outputs": outputs,
+        "weight_grads": weight_grads,
+        **local_blocks(module),
+        "stats": stats,
+    }
 
 
 def _with_weight_grad(sf: SparseFeatures, case: EquivalenceCase) -> SparseFeatures:
@@ -202,48 +221,6 @@ def reference_run(case: EquivalenceCase) -> dict[str, Any]:
         "weights": module.table_weights(),
         "state": {t: {k: v.clone() for k, v in s.items()} for t, s in state.items()},
     }
-
-
-def unshard(
-    tables: Sequence[TableConfig], per_rank: Sequence[dict[str, Any]]
-) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], list[str]]:
-    """Full tables and optimizer state from every rank's blocks.
-
-    Returns:
-        ``(weights, state, problems)``: problems lists cells no block covers and
-        replicas (or column blocks' per-row state) that disagree.
-    """
-    by_name = {t.name: t for t in tables}
-    weights = {t.name: torch.full((t.num_embeddings, t.dim), float("nan")) for t in tables}
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    problems: list[str] = []
-    for rank, res in enumerate(per_rank):
-        for entry in res["layout"]:
-            name, table = entry["name"], entry["table"]
-            (r0, r1), (c0, c1) = entry["rows"], entry["cols"]
-            block = res["weights"][name]
-            dst = weights[table][r0:r1, c0:c1]
-            if not torch.isnan(dst).all() and not torch.equal(dst, block):
-                problems.append(f"replicas of {table} rows {r0}:{r1} differ (rank {rank})")
-            dst.copy_(block)
-            for key, value in res["state"][name].items():
-                t = by_name[table]
-                full = state.setdefault(table, {})
-                if value.dim() == 2:
-                    buf = full.setdefault(key, torch.full((t.num_embeddings, t.dim), float("nan")))
-                    piece, target = value, buf[r0:r1, c0:c1]
-                else:
-                    buf = full.setdefault(key, torch.full((t.num_embeddings,), float("nan")))
-                    piece, target = value, buf[r0:r1]
-                if not torch.isnan(target).all() and not torch.allclose(
-                    target, piece, rtol=1e-5, atol=1e-7
-                ):
-                    problems.append(f"copies of {table}.{key} rows {r0}:{r1} differ (rank {rank})")
-                target.copy_(piece)
-    for name, w in weights.items():
-        if torch.isnan(w).any():
-            problems.append(f"no block covers some cells of {name}")
-    return weights, state, problems
 
 
 def _key_major(bags: Bags, per_rank: Sequence[torch.Tensor], world: int) -> torch.Tensor:
