@@ -5,9 +5,9 @@ cases: {sum, sum with per-id weights, mean pooling} x {row-wise Adagrad, Adam} o
 rows, one on FP16 rows with stochastic rounding, and one that trains one step in one
 process and then shards the trained collection (``shard_collection``); 3 training steps
 and an evaluation pass each. The tables have row counts not divisible by any world size
-(11, 7, 5) and one table is looked up by two features. TW/RW/CW/DP and a mixed plan run at world sizes 2 and
-3; TWRW/TWCW (and a mixed hierarchical plan) at 4 = 2 nodes x 2 ranks. One spawn per
-world size runs all its cases.
+(11, 7, 5) and one table is looked up by two features. TW/RW/CW/DP and a mixed plan run
+at world sizes 2 and 3; TWRW/TWCW (and a mixed hierarchical plan) at 4 = 2 nodes x 2
+ranks. One spawn per world size runs all its cases.
 
 Expectations (``TOLERANCE``):
 - TW, CW (element-wise optimizers), DP, TWCW: only data moves, so outputs, rows and
