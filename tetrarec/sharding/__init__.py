@@ -7,7 +7,8 @@ One strategy per sharding type, each in its own module and registered by type in
 ``STRATEGIES``; importing this package registers them all.
 """
 
-from tetrarec.sharding import (  # noqa: F401  (each registers its strategy)
+from tetrarec.sharding import (  # noqa: F401  (each registers its strategy or group)
+    block_group,
     column_wise,
     data_parallel,
     row_wise,

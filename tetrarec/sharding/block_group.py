@@ -43,6 +43,7 @@ from tetrarec.sharding.routing import (
     route_features,
     send_pooled,
 )
+from tetrarec.sharding.strategy import register_group
 from tetrarec.sparse import SparseFeatures
 from tetrarec.types import OptimizerKind
 
@@ -78,10 +79,8 @@ class BlockGroup(ShardedGroup):
         env: ShardingEnv,
         tables: Sequence[tuple[TableConfig, TablePlan]],
         options: LookupOptions,
-        *,
-        label: str,
     ) -> None:
-        self.label = label
+        self.label = "block"
         w = env.world_size
         # Per rank: its local tables (runs) and the global features it receives.
         shards_of: list[list[LocalShard]] = [[] for _ in range(w)]
@@ -296,3 +295,6 @@ class _AcrossBlocks(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         ctx.group._across.adjust(ctx.group, grad.contiguous(), ctx.features)
         return grad, None, None
+
+
+register_group("block", BlockGroup)

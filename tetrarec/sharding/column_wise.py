@@ -20,9 +20,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tetrarec.embedding import TableConfig
-from tetrarec.sharding.block_group import BlockGroup
-from tetrarec.sharding.env import ShardingEnv
-from tetrarec.sharding.group import LookupOptions, ShardedGroup
 from tetrarec.sharding.plan import Shard, ShardingPlan, TablePlan
 from tetrarec.sharding.strategy import PlacementContext, check_tiling, register, split_evenly
 from tetrarec.types import ShardingType
@@ -76,6 +73,7 @@ class ColumnWise:
     """The column-wise strategy."""
 
     sharding_type = ShardingType.COLUMN_WISE
+    group = "block"  # runs in the block group
 
     def place(self, table: TableConfig, ctx: PlacementContext) -> tuple[Shard, ...]:
         """Blocks over the ranks, least loaded first."""
@@ -89,19 +87,6 @@ class ColumnWise:
             ValueError: otherwise.
         """
         validate_column_blocks(table, plan)
-
-    def group_key(self) -> str:
-        """Column blocks run with whole tables."""
-        return "block"
-
-    def build_group(
-        self,
-        env: ShardingEnv,
-        tables: Sequence[tuple[TableConfig, TablePlan]],
-        options: LookupOptions,
-    ) -> ShardedGroup:
-        """A ``BlockGroup``."""
-        return BlockGroup(env, tables, options, label="block")
 
 
 register(ColumnWise())

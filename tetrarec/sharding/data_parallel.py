@@ -29,7 +29,7 @@ from tetrarec.sharding.env import ShardingEnv
 from tetrarec.sharding.group import LocalShard, LookupOptions, ShardedGroup
 from tetrarec.sharding.plan import Shard, ShardingPlan, TablePlan
 from tetrarec.sharding.routing import Routed, regroup_key_major
-from tetrarec.sharding.strategy import PlacementContext, register
+from tetrarec.sharding.strategy import PlacementContext, register, register_group
 from tetrarec.sparse import SparseFeatures
 from tetrarec.types import ShardingType
 
@@ -188,6 +188,7 @@ class DataParallel:
     """The data-parallel strategy: the whole table on every rank."""
 
     sharding_type = ShardingType.DATA_PARALLEL
+    group = "replicated"  # runs in the replicated group
 
     def place(self, table: TableConfig, ctx: PlacementContext) -> tuple[Shard, ...]:
         """A full copy on every rank."""
@@ -212,18 +213,6 @@ class DataParallel:
                 f"{whole.world_size} ranks, got {plan.shards}"
             )
 
-    def group_key(self) -> str:
-        """Replicated tables share one group."""
-        return "replicated"
 
-    def build_group(
-        self,
-        env: ShardingEnv,
-        tables: Sequence[tuple[TableConfig, TablePlan]],
-        options: LookupOptions,
-    ) -> ShardedGroup:
-        """A ``ReplicatedGroup``."""
-        return ReplicatedGroup(env, tables, options)
-
-
+register_group("replicated", ReplicatedGroup)
 register(DataParallel())

@@ -30,7 +30,13 @@ from tetrarec.sharding.env import ShardingEnv
 from tetrarec.sharding.group import LocalShard, LookupOptions, ShardedGroup
 from tetrarec.sharding.plan import Shard, ShardingPlan, TablePlan
 from tetrarec.sharding.routing import Outgoing, Routed, route_features, send_pooled
-from tetrarec.sharding.strategy import PlacementContext, check_tiling, register, split_evenly
+from tetrarec.sharding.strategy import (
+    PlacementContext,
+    check_tiling,
+    register,
+    register_group,
+    split_evenly,
+)
 from tetrarec.sparse import SparseFeatures
 from tetrarec.types import PoolingMode, ShardingType
 
@@ -73,10 +79,8 @@ class RowGroup(ShardedGroup):
         env: ShardingEnv,
         tables: Sequence[tuple[TableConfig, TablePlan]],
         options: LookupOptions,
-        *,
-        label: str,
     ) -> None:
-        self.label = label
+        self.label = "row"
         w = env.world_size
         shards_of: list[list[LocalShard]] = [[] for _ in range(w)]
         receives: list[list[str]] = [[] for _ in range(w)]
@@ -218,6 +222,7 @@ class RowWise:
     """The row-wise strategy: every table's rows split over all ranks."""
 
     sharding_type = ShardingType.ROW_WISE
+    group = "row"  # runs in the row group
 
     def place(self, table: TableConfig, ctx: PlacementContext) -> tuple[Shard, ...]:
         """Rows split evenly over every rank."""
@@ -231,18 +236,6 @@ class RowWise:
         """
         validate_row_blocks(table, plan)
 
-    def group_key(self) -> str:
-        """Row blocks share one group."""
-        return "row"
 
-    def build_group(
-        self,
-        env: ShardingEnv,
-        tables: Sequence[tuple[TableConfig, TablePlan]],
-        options: LookupOptions,
-    ) -> ShardedGroup:
-        """A ``RowGroup``."""
-        return RowGroup(env, tables, options, label="row")
-
-
+register_group("row", RowGroup)
 register(RowWise())

@@ -31,7 +31,7 @@ from tetrarec.sharding.env import ShardingEnv
 from tetrarec.sharding.group import LookupOptions, ShardedGroup
 from tetrarec.sharding.plan import ShardingPlan, TablePlan
 from tetrarec.sharding.routing import BlockColumns, place_columns
-from tetrarec.sharding.strategy import STRATEGIES
+from tetrarec.sharding.strategy import GROUPS, STRATEGIES
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures, permute_keys
 
 __all__ = ["ShardedEmbeddingBagCollection"]
@@ -68,10 +68,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         by_key: dict[str, list[tuple[TableConfig, TablePlan]]] = {}
         for t in self.tables:
             tp = plan.table(t.name)
-            by_key.setdefault(STRATEGIES[tp.sharding].group_key(), []).append((t, tp))
+            by_key.setdefault(STRATEGIES[tp.sharding].group, []).append((t, tp))
         self.groups = nn.ModuleList(
-            STRATEGIES[members[0][1].sharding].build_group(env, members, options)
-            for members in by_key.values()
+            GROUPS[key](env, members, options) for key, members in by_key.items()
         )
         # The groups' output columns, side by side, put back in feature order.
         start, col = {}, 0

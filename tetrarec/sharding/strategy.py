@@ -4,18 +4,19 @@ A strategy knows three things about its type::
 
     place(table, ctx)          the shards of a table (used to make a plan from types)
     validate(table, plan, ..)  whether a table's shards obey the type's rules
-    build_group(env, ...)      the group (input dist -> lookup -> output dist) that runs
-                               the tables of this type on a rank
+    group                      the group whose input dist -> lookup -> output dist runs
+                               the type's tables on a rank
 
-Types whose tables move the same way share a group (``group_key``): whole tables and
-column blocks (``"block"``: TW, CW, TWCW), row blocks (``"row"``: RW, TWRW) and
-replicated tables (``"replicated"``: DP). Adding a type is a file with its strategy and
-one ``register`` call; nothing dispatches on the type elsewhere.
+Types whose tables move the same way share a group: whole tables and column blocks
+(``"block"``: TW, CW, TWCW), row blocks (``"row"``: RW, TWRW) and replicated tables
+(``"replicated"``: DP); each group class registers its builder in ``GROUPS``. Adding a
+type is a file with its strategy and one ``register`` call; nothing dispatches on the
+type elsewhere.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -28,12 +29,15 @@ if TYPE_CHECKING:
     from tetrarec.sharding.group import LookupOptions, ShardedGroup
 
 __all__ = [
+    "GROUPS",
     "STRATEGIES",
+    "GroupBuilder",
     "PlacementContext",
     "ShardingStrategy",
     "check_tiling",
     "plan_by_type",
     "register",
+    "register_group",
     "split_evenly",
 ]
 
@@ -86,21 +90,22 @@ class ShardingStrategy(Protocol):
         """Raise ``ValueError`` if ``plan`` breaks the type's rules for ``table``."""
         ...
 
-    def group_key(self) -> str:
-        """Tables whose strategies share a key run in one group."""
-        ...
-
-    def build_group(
-        self,
-        env: ShardingEnv,
-        tables: Sequence[tuple[TableConfig, TablePlan]],
-        options: LookupOptions,
-    ) -> ShardedGroup:
-        """The group running ``tables`` (all of this key) on this rank."""
-        ...
+    #: The key in ``GROUPS`` of the group that runs the type's tables.
+    group: str
 
 
 STRATEGIES: dict[ShardingType, ShardingStrategy] = {}
+
+#: Builds the group running some tables on this rank: (env, tables with plans, options).
+GroupBuilder = Callable[
+    ["ShardingEnv", Sequence[tuple[TableConfig, TablePlan]], "LookupOptions"], "ShardedGroup"
+]
+GROUPS: dict[str, GroupBuilder] = {}
+
+
+def register_group(key: str, builder: GroupBuilder) -> None:
+    """Add a group builder to ``GROUPS`` under ``key``."""
+    GROUPS[key] = builder
 
 
 def register(strategy: ShardingStrategy) -> None:

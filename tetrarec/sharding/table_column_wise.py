@@ -9,13 +9,8 @@ rank 1 columns [4, 8); ranks 2 and 3 send their ids to both and get both halves 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from tetrarec.embedding import TableConfig
-from tetrarec.sharding.block_group import BlockGroup
 from tetrarec.sharding.column_wise import column_shards, validate_column_blocks
-from tetrarec.sharding.env import ShardingEnv
-from tetrarec.sharding.group import LookupOptions, ShardedGroup
 from tetrarec.sharding.plan import Shard, ShardingPlan, TablePlan
 from tetrarec.sharding.strategy import PlacementContext, register
 from tetrarec.sharding.table_row_wise import check_one_node
@@ -28,6 +23,7 @@ class TableColumnWise:
     """The table-column-wise strategy."""
 
     sharding_type = ShardingType.TABLE_COLUMN_WISE
+    group = "block"  # runs in the block group
 
     def place(self, table: TableConfig, ctx: PlacementContext) -> tuple[Shard, ...]:
         """Column blocks over the ranks of the least-loaded node."""
@@ -41,19 +37,6 @@ class TableColumnWise:
         """
         validate_column_blocks(table, plan)
         check_one_node(table, plan, whole)
-
-    def group_key(self) -> str:
-        """Column blocks run with whole tables."""
-        return "block"
-
-    def build_group(
-        self,
-        env: ShardingEnv,
-        tables: Sequence[tuple[TableConfig, TablePlan]],
-        options: LookupOptions,
-    ) -> ShardedGroup:
-        """A ``BlockGroup``."""
-        return BlockGroup(env, tables, options, label="block")
 
 
 register(TableColumnWise())

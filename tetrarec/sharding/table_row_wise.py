@@ -13,13 +13,9 @@ features to ranks 2 and 3.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from tetrarec.embedding import TableConfig
-from tetrarec.sharding.env import ShardingEnv
-from tetrarec.sharding.group import LookupOptions, ShardedGroup
 from tetrarec.sharding.plan import Shard, ShardingPlan, TablePlan
-from tetrarec.sharding.row_wise import RowGroup, row_shards, validate_row_blocks
+from tetrarec.sharding.row_wise import row_shards, validate_row_blocks
 from tetrarec.sharding.strategy import PlacementContext, register
 from tetrarec.types import ShardingType
 
@@ -44,6 +40,7 @@ class TableRowWise:
     """The table-row-wise strategy."""
 
     sharding_type = ShardingType.TABLE_ROW_WISE
+    group = "row"  # runs in the row group
 
     def place(self, table: TableConfig, ctx: PlacementContext) -> tuple[Shard, ...]:
         """Rows split over the ranks of the least-loaded node."""
@@ -57,19 +54,6 @@ class TableRowWise:
         """
         validate_row_blocks(table, plan)
         check_one_node(table, plan, whole)
-
-    def group_key(self) -> str:
-        """Row blocks share one group."""
-        return "row"
-
-    def build_group(
-        self,
-        env: ShardingEnv,
-        tables: Sequence[tuple[TableConfig, TablePlan]],
-        options: LookupOptions,
-    ) -> ShardedGroup:
-        """A ``RowGroup``."""
-        return RowGroup(env, tables, options, label="row")
 
 
 register(TableRowWise())

@@ -8,12 +8,7 @@ rows back with an all-to-all.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from tetrarec.embedding import TableConfig
-from tetrarec.sharding.block_group import BlockGroup
-from tetrarec.sharding.env import ShardingEnv
-from tetrarec.sharding.group import LookupOptions, ShardedGroup
 from tetrarec.sharding.plan import Shard, ShardingPlan, TablePlan
 from tetrarec.sharding.strategy import PlacementContext, register
 from tetrarec.types import ShardingType
@@ -25,6 +20,7 @@ class TableWise:
     """The table-wise strategy: placement, validation, the group it runs in."""
 
     sharding_type = ShardingType.TABLE_WISE
+    group = "block"  # runs in the block group
 
     def place(self, table: TableConfig, ctx: PlacementContext) -> tuple[Shard, ...]:
         """The whole table on the least-loaded rank."""
@@ -43,19 +39,6 @@ class TableWise:
                 f"table {table.name!r}: a table-wise table is one shard of rows "
                 f"[0, {table.num_embeddings}) and columns [0, {table.dim}), got {plan.shards}"
             )
-
-    def group_key(self) -> str:
-        """Tables of the same key share one group."""
-        return "block"
-
-    def build_group(
-        self,
-        env: ShardingEnv,
-        tables: Sequence[tuple[TableConfig, TablePlan]],
-        options: LookupOptions,
-    ) -> ShardedGroup:
-        """A ``BlockGroup``."""
-        return BlockGroup(env, tables, options, label="block")
 
 
 register(TableWise())
