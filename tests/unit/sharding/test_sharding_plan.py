@@ -1,0 +1,129 @@
+"""ShardingPlan and placement by type: pure, one process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tetrarec.embedding import TableConfig
+from tetrarec.sharding import Shard, ShardingPlan, TablePlan, plan_by_type
+from tetrarec.sharding.strategy import split_evenly
+from tetrarec.types import ShardingType
+
+TABLES = (
+    TableConfig(name="big", num_embeddings=1000, dim=16),
+    TableConfig(name="mid", num_embeddings=500, dim=16),
+    TableConfig(name="small", num_embeddings=10, dim=16),
+    TableConfig(name="tiny", num_embeddings=3, dim=16),
+)
+
+
+def test_split_evenly_gives_the_first_ranks_the_extra_rows():
+    assert split_evenly(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert split_evenly(6, 3) == [(0, 2), (2, 4), (4, 6)]
+
+
+def test_table_wise_balances_bytes_largest_first():
+    plan = plan_by_type(TABLES, ShardingType.TABLE_WISE, world_size=2)
+    ranks = {tp.table: tp.shards[0].rank for tp in plan}
+    # big -> 0, mid -> 1 (the lighter), small -> 1 (1500 vs ...), tiny -> lighter again
+    assert ranks["big"] != ranks["mid"]
+    assert ranks["small"] == ranks["mid"]
+
+
+def test_row_wise_splits_rows_and_skips_ranks_for_tiny_tables():
+    plan = plan_by_type(TABLES, ShardingType.ROW_WISE, world_size=4)
+    assert [s.rows for s in plan.table("small").shards] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert [s.rows for s in plan.table("tiny").shards] == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_column_wise_blocks_are_contiguous_per_rank():
+    plan = plan_by_type(TABLES[:1], ShardingType.COLUMN_WISE, world_size=2, column_block=4)
+    by_rank: dict[int, list[tuple[int, int]]] = {}
+    for s in plan.table("big").shards:
+        by_rank.setdefault(s.rank, []).append(s.cols)
+    assert sorted(by_rank.values()) == [[(0, 4), (4, 8)], [(8, 12), (12, 16)]]
+    with pytest.raises(ValueError, match="block size 5 does not divide its dim 16"):
+        plan_by_type(TABLES[:1], ShardingType.COLUMN_WISE, world_size=2, column_block=5)
+
+
+def test_hierarchical_types_stay_on_one_node():
+    types = [ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE] * 2
+    plan = plan_by_type(TABLES, types, world_size=4, local_world_size=2)
+    for tp in plan:
+        assert len({s.rank // 2 for s in tp.shards}) == 1, tp
+    nodes = {tp.table: tp.shards[0].rank // 2 for tp in plan}
+    assert nodes["big"] != nodes["mid"]  # the second-largest goes to the other node
+
+
+def _plan(*tables: TablePlan, world: int = 2, local: int = 2) -> ShardingPlan:
+    return ShardingPlan(world_size=world, local_world_size=local, tables=tables)
+
+
+def _tp(name: str, kind: str, *shards: tuple[int, tuple[int, int], tuple[int, int]]) -> TablePlan:
+    return TablePlan(
+        table=name,
+        sharding=ShardingType.parse(kind),
+        shards=tuple(Shard(rank=r, rows=rows, cols=cols) for r, rows, cols in shards),
+    )
+
+
+FULL = ((0, 10), (0, 16))
+BAD_PLANS = [
+    ("table_wise two shards", _tp("small", "table_wise", (0, *FULL), (1, *FULL)), "one shard"),
+    ("row_wise gap", _tp("small", "row_wise", (0, (0, 4), (0, 16)), (1, (5, 10), (0, 16))),
+     "do not tile"),
+    ("row_wise partial width", _tp("small", "row_wise", (0, (0, 5), (0, 8)), (1, (5, 10), (0, 16))),
+     "hold every column"),
+    ("row_wise two blocks on a rank",
+     _tp("small", "row_wise", (0, (0, 5), (0, 16)), (0, (5, 10), (0, 16))), "two row blocks"),
+    ("column_wise overlap",
+     _tp("small", "column_wise", (0, (0, 10), (0, 9)), (1, (0, 10), (8, 16))), "do not tile"),
+    ("data_parallel one rank", _tp("small", "data_parallel", (0, *FULL)), "each of the 2 ranks"),
+    ("rank outside the world", _tp("small", "table_wise", (2, *FULL)), "outside the plan's world"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("what", "bad", "message"), BAD_PLANS, ids=[b[0] for b in BAD_PLANS])
+def test_validate_names_the_table_and_the_rule(what, bad, message):
+    good = plan_by_type(TABLES, ShardingType.TABLE_WISE, world_size=2)
+    tables = tuple(tp if tp.table != "small" else bad for tp in good)
+    with pytest.raises(ValueError, match=message):
+        _plan(*tables).validate(TABLES)
+
+
+def test_twrw_across_nodes_is_refused():
+    good = plan_by_type(TABLES, ShardingType.TABLE_WISE, world_size=4, local_world_size=2)
+    bad = _tp("small", "table_row_wise", (1, (0, 5), (0, 16)), (2, (5, 10), (0, 16)))
+    tables = tuple(tp if tp.table != "small" else bad for tp in good)
+    with pytest.raises(ValueError, match="one node of 2 ranks"):
+        _plan(*tables, world=4, local=2).validate(TABLES)
+
+
+def test_missing_and_unknown_tables_and_bad_json(tmp_path):
+    plan = plan_by_type(TABLES, ShardingType.TABLE_WISE, world_size=2)
+    with pytest.raises(ValueError, match=r"does not place tables \['tiny'\]"):
+        _plan(*plan.tables[:-1]).validate(TABLES)
+    with pytest.raises(ValueError, match="made for 2 ranks"):
+        plan.check_world(3, 3)
+    path = tmp_path / "p.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not JSON"):
+        ShardingPlan.load(path)
+    d = plan.to_dict()
+    d["tables"][0]["shards"][0]["rows"] = [5, 2]
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="empty or negative"):
+        ShardingPlan.load(path)
+    d["tables"][0]["sharding"] = "diagonal"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="unknown sharding type 'diagonal'"):
+        ShardingPlan.load(path)
+
+
+def test_fingerprint_changes_with_any_shard():
+    a = plan_by_type(TABLES, ShardingType.ROW_WISE, world_size=2)
+    b = plan_by_type(TABLES, ShardingType.ROW_WISE, world_size=3)
+    assert a.fingerprint() != b.fingerprint()
+    assert a.fingerprint() == ShardingPlan.from_dict(json.loads(a.to_json())).fingerprint()
