@@ -106,3 +106,19 @@ def test_fused_update_rounding_is_unbiased(kernel_path, precision, scale):
     err = (after - (before + step))[:, cols].mean().item()
     assert abs(err) < 0.3 * step
     assert not torch.equal(after, before)
+
+
+@pytest.mark.parametrize(("precision", "dim"), [(Precision.INT8, 3), (Precision.INT4, 10)])
+def test_one_row_with_an_odd_payload_decodes(precision, dim):
+    """A single packed row whose scale and bias sit at an odd byte offset.
+
+    Bug it catches: the FP16 tail was viewed in place; for one row the slice is already
+    contiguous at the odd offset and ``view(float16)`` raised, so the portable path
+    crashed whenever a feature of an INT8 odd-dim or INT4 table had exactly one id.
+    """
+    x = torch.linspace(-1, 1, dim).unsqueeze(0)
+    packed = quantize_rows(x, precision)
+    assert (dim * precision.bits + 7) // 8 % 2 == 1  # the tail starts at an odd offset
+    torch.testing.assert_close(dequantize_rows(packed, precision, dim), x, atol=0.08, rtol=0)
+    assert torch.equal(dequantize_rows(packed, precision, dim),
+                       dequantize_rows(packed.repeat(2, 1), precision, dim)[:1])  # fmt: skip
