@@ -404,3 +404,26 @@ def test_reference_formats_bounds_are_tight():
     bound = rounding_bound(Precision.INT8, row)[0, 0].item()
     assert 0.005 < bound < 0.005 + 2.55 * 2.0**-11 + 2.0**-25 + 1e-12
     assert math.isclose(((row.amax() - row.amin()) / 255).item(), 0.01)
+
+
+def test_duplicates_of_rows_beyond_one_radix_digit_are_merged(kernel_path):
+    """Rows 5 and 5 + 2^13 in a table of 10_000 rows: the compiled kernel sorts row keys
+    by radix digits of 13 bits, so these two agree on the first digit.
+
+    Bug it catches: a sort that misses the top bit leaves a row's ids non-contiguous; the
+    row is then updated twice with partial sums (Adagrad: acc = g1^2 + g2^2 instead of
+    (g1 + g2)^2).
+    """
+    spec = SparseOptimizerSpec(kind="adagrad", lr=0.5, eps=1e-2)
+    table = TableConfig(name="t", num_embeddings=10_000, dim=4)
+    ebc = FusedEmbeddingBagCollection([table], spec, seed=0)
+    w0 = ebc.table_weights()["t"].double()
+    bags = [[5, 5 + 8192], [5 + 8192, 5], [5]]
+    grad = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    ebc(SparseFeatures.from_lists({"t": bags})).values.backward(grad)
+    g = {5: grad.sum(0).double(), 5 + 8192: grad[:2].sum(0).double()}
+    got = ebc.table_weights()["t"].double()
+    for row, gr in g.items():
+        expect = w0[row] - 0.5 * gr / ((gr * gr).sqrt() + 1e-2)
+        torch.testing.assert_close(got[row], expect, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_opt_state(ebc)["t"]["sum"][5], g[5] * g[5], rtol=1e-5, atol=0)
