@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -384,10 +385,19 @@ class Sandbox:
         # cwd = the copy: `python -m ...` puts it first on sys.path, so the tests import
         # the mutated package, not the working tree's (an editable install's finder
         # comes after sys.path).
-        return subprocess.run(
-            cmd, cwd=self.tree, env=self.env, capture_output=True, text=True,
-            timeout=self.timeout,
-        )  # fmt: skip
+        # Its own process group: on a timeout the compiler or pytest workers it started
+        # are ended with it, not left running.
+        with subprocess.Popen(
+            cmd, cwd=self.tree, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, start_new_session=True,
+        ) as proc:  # fmt: skip
+            try:
+                out, err = proc.communicate(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+                raise
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
     def build(self) -> subprocess.CompletedProcess[str]:
         """Build (or load) the copy's kernels and check that the copy is what runs."""
@@ -429,7 +439,7 @@ class Sandbox:
         try:
             build = self.build()
         except subprocess.TimeoutExpired:
-            return {"name": m.name, "status": "build-failed", "detail": "build timeout"}
+            return {"name": m.name, "status": "build-failed", "detail": "build timed out"}
         build_s = round(time.perf_counter() - start, 1)
         if build.returncode != 0:
             tail = build.stderr.strip().splitlines()[-1:] or [""]
@@ -446,7 +456,7 @@ def main() -> int:
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--only", nargs="+", default=None, help="run only these mutants")
     parser.add_argument("--tests", nargs="+", default=DEFAULT_TESTS, help="pytest paths")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per step")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per step")
     parser.add_argument("--goal", type=float, default=0.9, help="required kill ratio")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
