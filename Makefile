@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint setup clean
+.PHONY: demo test lint setup clean mutants
 
 $(VENV)/.stamp-base: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,21 @@ lint: $(VENV)/.stamp-test
 	$(PY) -m ruff check tetrarec tests benchmarks
 	$(PY) -m ruff format --check tetrarec tests benchmarks
 	$(PY) -m mypy tetrarec
+
+# Mutation testing, not part of `make test` (mutation/README.md): mutmut over the kernels,
+# metrics, checkpoint state and parsers ([tool.mutmut] in pyproject.toml), then the seeded
+# C++ kernel bugs of mutation/cpp_mutants.py. Both report a score and every survivor.
+# Narrow the runs with MUTMUT_NAMES (mutmut name globs, e.g. "tetrarec.train.metrics*")
+# and CPP_MUTANTS (e.g. "--only adam_global_step"). Hours on 2 cores: see the README.
+# The mutated Python copy builds its kernels in its own cache (it sits at another path).
+MUTMUT_NAMES ?=
+CPP_MUTANTS ?=
+mutants: $(VENV)/.stamp-test
+	$(PY) -m pip install -q -e ".[mutation]"
+	XDG_CACHE_HOME=$(CURDIR)/mutants/xdg-cache $(VENV)/bin/mutmut run $(MUTMUT_NAMES); \
+	$(PY) mutation/mutmut_score.py --mutmut $(VENV)/bin/mutmut; py=$$?; \
+	$(PY) mutation/cpp_mutants.py $(CPP_MUTANTS); cpp=$$?; \
+	test $$py -eq 0 -a $$cpp -eq 0
 
 clean:
 	rm -rf $(VENV) build *.egg-info

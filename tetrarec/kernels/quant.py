@@ -167,7 +167,10 @@ def dequantize_rows(packed: torch.Tensor, precision: Precision, dim: int) -> tor
     q = packed[:, :payload]
     if precision.bits == 4:
         q = torch.stack([q & 0x0F, q >> 4], dim=2).reshape(packed.shape[0], -1)[:, :dim]
-    tail = packed[:, payload : payload + 4].contiguous().view(torch.float16).float()  # (R, 2)
+    # A fresh copy (storage offset 0): viewing bytes as FP16 needs an even offset, and a
+    # single row's slice is already contiguous at the odd offset of an odd payload.
+    tail = packed[:, payload : payload + 4].clone(memory_format=torch.contiguous_format)
+    tail = tail.view(torch.float16).float()  # (R, 2)
     return q.float() * tail[:, 0:1] + tail[:, 1:2]
 
 
