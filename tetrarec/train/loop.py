@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from tetrarec.config import RunConfig, TrainConfig
 from tetrarec.data import BatchLoader, build_datasets
+from tetrarec.kernels import build_cpu_kernels
 from tetrarec.sparse import Batch
 from tetrarec.train.build import (
     FusedEmbeddings,
@@ -217,6 +218,9 @@ class _Run:
             disable=not tc.progress,
             dynamic_ncols=True,
         )
+        # The compiled kernels build (or load from the cache) on first use: do it here,
+        # before the clock starts, so that samples_per_s never includes a compile.
+        build_cpu_kernels()
         seconds = 0.0
         with bar:
             while self.step < tc.steps:
