@@ -1,6 +1,8 @@
 // Fused backward + sparse optimizer for CPU; included by tbe_cpu.cpp (same namespace).
 #pragma once
 
+#include <type_traits>
+
 namespace {
 
 enum class Kind { kSgd, kAdagrad, kRowwiseAdagrad, kAdam, kRowwiseAdam };
@@ -349,13 +351,16 @@ inline void sum_row_grads(const UpdateCtx& C, int64_t* k, int64_t k_end, int64_t
 }
 
 // Update the rows of sorted ids [k, k_end), kBatch rows at a time, prefetching the row,
-// its state and its first gradient kAhead rows ahead.
+// its state and the gradients of its ids kAhead rows ahead. FP32 rows are updated where
+// they lie (decoding and encoding them would be two plain copies); other precisions are
+// decoded to FP32, updated and encoded back.
 template <class Codec>
 void update_range(const UpdateCtx& C, int64_t k, int64_t k_end) {
+  constexpr bool in_place = std::is_same_v<Codec, F32>;
   const BackwardArgs& A = *C.A;
   const Meta& M = *A.M;
   const bool rowwise = A.kind == Kind::kRowwiseAdagrad;
-  std::vector<float> wbuf(kBatch * M.max_dim), abuf(kBatch * M.max_dim);
+  std::vector<float> wbuf(in_place ? 0 : kBatch * M.max_dim), abuf(kBatch * M.max_dim);
   float *wp[kBatch], *ap[kBatch];
   uint8_t* rps[kBatch];
   int64_t ts[kBatch], rows[kBatch], Ds[kBatch];
@@ -374,14 +379,16 @@ void update_range(const UpdateCtx& C, int64_t k, int64_t k_end) {
     const uint64_t key = C.keys[kc];
     int64_t tp, rp, fp;
     float Lp;
-    prefetch_row(locate(key, &tp, &rp), Codec::width(M.dims[tp]) * Codec::kElem);
-    if (rowwise) __builtin_prefetch(A.state[0] + A.state_off[0][tp] + rp);
-    prefetch_row(reinterpret_cast<const uint8_t*>(C.grads->row(C.bag_of(key), &fp, &Lp)),
-                 M.dims[tp] * 4);
-    for (++kc; kc < k_end && (C.keys[kc] >> 32) == (key >> 32);) ++kc;
+    const uint8_t* r = locate(key, &tp, &rp);
+    const int64_t bytes = Codec::width(M.dims[tp]) * Codec::kElem;
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(r + b, in_place ? 1 : 0);
+    if (rowwise) __builtin_prefetch(A.state[0] + A.state_off[0][tp] + rp, 1);
+    for (; kc < k_end && (C.keys[kc] >> 32) == (key >> 32); ++kc)
+      prefetch_row(reinterpret_cast<const uint8_t*>(C.grads->row(C.bag_of(C.keys[kc]), &fp, &Lp)),
+                   M.dims[tp] * 4);
   };
   for (int64_t i = 0; i < kBatch; ++i) {
-    wp[i] = wbuf.data() + i * M.max_dim;
+    wp[i] = in_place ? nullptr : wbuf.data() + i * M.max_dim;
     ap[i] = abuf.data() + i * M.max_dim;
   }
   for (int64_t i = 0; i < kAhead; ++i) advance_prefetch();
@@ -392,7 +399,11 @@ void update_range(const UpdateCtx& C, int64_t k, int64_t k_end) {
       rkeys[nb] = C.keys[k] >> 32;
       rps[nb] = locate(C.keys[k], &ts[nb], &rows[nb]);
       Ds[nb] = M.dims[ts[nb]];
-      Codec::load(rps[nb], Ds[nb], wp[nb]);
+      if constexpr (in_place) {
+        wp[nb] = reinterpret_cast<float*>(rps[nb]);
+      } else {
+        Codec::load(rps[nb], Ds[nb], wp[nb]);
+      }
       sum_row_grads(C, &k, k_end, Ds[nb], wp[nb], ap[nb]);
     }
     if (rowwise) {
@@ -400,9 +411,11 @@ void update_range(const UpdateCtx& C, int64_t k, int64_t k_end) {
     } else {
       for (int i = 0; i < nb; ++i) apply_rule(A, ts[i], rows[i], Ds[i], wp[i], ap[i]);
     }
-    for (int i = 0; i < nb; ++i)
-      Codec::store(rps[i], Ds[i], wp[i], A.stochastic,
-                   mix64(A.seed ^ (rkeys[i] * 0xA24BAED4963EE407ULL)));
+    if constexpr (!in_place) {
+      for (int i = 0; i < nb; ++i)
+        Codec::store(rps[i], Ds[i], wp[i], A.stochastic,
+                     mix64(A.seed ^ (rkeys[i] * 0xA24BAED4963EE407ULL)));
+    }
   }
 }
 
