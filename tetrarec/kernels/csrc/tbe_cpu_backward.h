@@ -141,6 +141,42 @@ uint64_t* radix_sort_keys(uint64_t* a, uint64_t* tmp, int64_t n, int key_bits,
   return a;
 }
 
+// Stable LSD radix sort of each feature's segment of keys [start[f], start[f + 1]) on the
+// bits of the id within its table, features in parallel. Valid when no table of the
+// store is looked up by two features: a segment then holds every id of its table, so
+// the sort groups each row's ids in position order, as the global sort does (the same
+// sums in the same order), while each segment's passes run in cache and on fewer bits.
+inline void segment_sort_keys(uint64_t* keys, uint64_t* tmp, const Meta& M, const int64_t* start) {
+  constexpr int kMaxDigit = 11;  // 2048 buckets: the histogram stays in L1
+  at::parallel_for(0, M.F, 1, [&](int64_t f0, int64_t f1) {
+    std::vector<int64_t> hist(int64_t(1) << kMaxDigit);
+    for (int64_t f = f0; f < f1; ++f) {
+      const int64_t t = M.feat_table[f], n = start[f + 1] - start[f];
+      if (t < 0 || n < 2) continue;
+      int bits = 1;
+      while ((int64_t(1) << bits) < M.rows[t]) ++bits;
+      const int passes = (bits + kMaxDigit - 1) / kMaxDigit;
+      const int digit = (bits + passes - 1) / passes;
+      const uint64_t mask = (uint64_t(1) << digit) - 1, roff = static_cast<uint64_t>(M.row_off[t]);
+      uint64_t *a = keys + start[f], *b = tmp + start[f];
+      for (int p = 0; p < passes; ++p) {
+        const int shift = p * digit;
+        std::fill(hist.begin(), hist.begin() + (mask + 1), 0);
+        for (int64_t i = 0; i < n; ++i) ++hist[(((a[i] >> 32) - roff) >> shift) & mask];
+        int64_t total = 0;
+        for (uint64_t d = 0; d <= mask; ++d) {
+          const int64_t c = hist[d];
+          hist[d] = total;
+          total += c;
+        }
+        for (int64_t i = 0; i < n; ++i) b[hist[(((a[i] >> 32) - roff) >> shift) & mask]++] = a[i];
+        std::swap(a, b);
+      }
+      if (a != keys + start[f]) std::memcpy(keys + start[f], a, n * sizeof(uint64_t));
+    }
+  });
+}
+
 // Sorted (key << 32 | low) pairs of every id of the group's features, where low is the
 // id's position j when per-id weights need it, else its bag s = f * B + b (which saves a
 // random lookup of seg[j] per id later). seg[j] = s is filled only in the first case.
@@ -199,10 +235,19 @@ const uint64_t* sorted_keys(const BackwardArgs& A, const Idx* values, Scratch& S
     TORCH_CHECK(false, "tetrarec tbe backward: id ", static_cast<int64_t>(values[j]),
                 " outside table of ", M.rows[M.feat_table[s / A.B]], " rows");
   }
+  *n_out = n;
+  std::vector<int64_t> per_table(M.T, 0);
+  bool one_feature_per_table = true;
+  for (int64_t f = 0; f < M.F; ++f)
+    if (M.feat_table[f] >= 0) one_feature_per_table &= ++per_table[M.feat_table[f]] == 1;
+  if (one_feature_per_table) {
+    std::vector<int64_t> start(M.F + 1);
+    for (int64_t f = 0; f <= M.F; ++f) start[f] = A.offsets[f * A.B] - skipped[f];
+    segment_sort_keys(keys, S.tmp.data(), M, start.data());
+    return keys;
+  }
   int bits = 1;
   while ((int64_t(1) << bits) < total_rows) ++bits;
-  *n_out = n;
-  return radix_sort_keys(keys, S.tmp.data(), n, bits, S.hist);
   return radix_sort_keys(keys, S.tmp.data(), n, bits, S.hist);
 }
 
