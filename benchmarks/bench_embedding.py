@@ -128,7 +128,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also time tetrarec with 4 KiB pages only (TETRAREC_HUGE_PAGES=0)",
     )
-    p.add_argument("--smoke", action="store_true", help="tiny sizes, in one process")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, seconds")
+    p.add_argument(
+        "--workers",
+        choices=["process", "local"],
+        default=None,
+        help="a process per implementation (default), or all in this one (--smoke's default)",
+    )
     p.add_argument("--json", default=None, help="write results to this path")
     p.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -140,6 +146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.impls = "tetrarec,fbgemm"
     if args.max_gib is None:
         args.max_gib = 8.0 if args.sweep else 14.0
+    if args.workers is None:
+        args.workers = "local" if args.smoke else "process"
     if args.smoke:
         args.tables, args.rows, args.dim, args.batch = 3, 1000, 16, 64
         args.rounds, args.iters, args.warmup = 2, 1, 1
@@ -159,7 +167,7 @@ def sweep_points(smoke: bool = False) -> list[Point]:
     huge batches and pooling on small rows (throughput), dim 256 at both batch ends.
     """
     if smoke:
-        return [Point(2, 500, 8, 32, 1, "smoke"), Point(2, 500, 8, 32, 4, "smoke")]
+        return [Point(2, 500, 8, 32, 1, "smoke"), Point(3, 400, 8, 32, 4, "smoke")]
     c = Point(26, 500_000, 64, 2048, 1, "centre")
     pts = [c]
     pts += [replace(c, dim=d, rows=c.rows * 64 // d, why="dim") for d in (32, 128, 256)]
@@ -454,7 +462,7 @@ def serve(args: argparse.Namespace) -> None:
     bench = Bench(args.serve, args)
     print("@@up", flush=True)
     for line in sys.stdin:
-        cmd, *rest = line.split(" ", 1)
+        cmd, *rest = line.strip().split(" ", 1)
         arg = rest[0].strip() if rest else ""
         if cmd == "setup":
             spec, ids_path = arg.rsplit(" ", 1)
@@ -478,7 +486,7 @@ class Worker:
 
     def __init__(self, impl: str, args: argparse.Namespace, passthrough: list[str]) -> None:
         self.impl = impl
-        self.local = Bench(impl, args) if args.smoke else None
+        self.local = Bench(impl, args) if args.workers == "local" else None
         self.proc: subprocess.Popen[str] | None = None
         if self.local is None:
             argv = [sys.executable, str(Path(__file__).resolve()), *passthrough, "--serve", impl]
@@ -615,7 +623,8 @@ def measure_group(
         uniq = unique_rows(ids)
         for (impl, variant), per_round in times.items():
             rows.append(result_row(point, impl, variant, per_round, infos[impl], uniq, group, args))
-        print(f"done {point} [{', '.join(group)}]", file=sys.stderr)
+        elapsed = time.perf_counter() - args.start
+        print(f"done {point} [{', '.join(group)}] at {elapsed:.0f} s", file=sys.stderr)
     return rows
 
 
@@ -690,6 +699,7 @@ def run_all(args: argparse.Namespace, passthrough: list[str]) -> list[dict[str, 
     shapes: dict[tuple[int, int, int], list[Point]] = {}
     for p in points:
         shapes.setdefault(p.table_key(), []).append(p)
+    args.start = time.perf_counter()
     workers = {i: Worker(i, args, passthrough) for i in impls}
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-embedding-") as d:
@@ -731,7 +741,7 @@ def main(argv: list[str] | None = None) -> None:
         print("ratios not from interleaved rounds (different groups): see not_interleaved")
     if args.sweep:
         print_sweep_summary(results)
-    config = {k: v for k, v in vars(args).items() if k not in ("json", "serve")}
+    config = {k: v for k, v in vars(args).items() if k not in ("json", "serve", "start")}
     config["memcopy_gbps"] = bandwidth
     config["points"] = [asdict(p) for p in base_points(args)]
     write_json(args.json, config, results, kernels={"isa": isa, "ran": kernel_line(results, isa)})

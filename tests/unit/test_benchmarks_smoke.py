@@ -89,6 +89,8 @@ def test_embedding_bench_labels_the_portable_path_and_names_optimizers(tmp_path:
         "bench_embedding.py",
         tmp_path,
         "--sweep",
+        "--workers",
+        "process",  # the worker protocol too (the plain smoke run keeps them in-process)
         "--optimizer",
         "adagrad",
         "--impls",
