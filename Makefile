@@ -14,9 +14,10 @@ $(VENV)/.stamp-base: pyproject.toml
 	@# a bare `torch` requirement would pull a multi-GB CUDA build.
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e .
-	@# Build the C++ CPU kernels now (about a minute, once per CPU kind; cached under
-	@# ~/.cache/tetrarec), so that no run pays for it. Without a compiler this warns and
-	@# tetrarec uses its portable PyTorch path.
+	@# Build the C++ CPU kernels now (about a minute, once per version of the sources and
+	@# CPU kind; cached under ~/.cache/tetrarec), so that no run pays for it. Without a
+	@# compiler this warns and tetrarec uses its portable PyTorch path; in CI (CI=true, as
+	@# .ci/run sets it) or with TETRAREC_KERNELS=compiled a failed build fails here.
 	$(PY) -c "import tetrarec.kernels as k; print('tetrarec CPU kernels:', 'compiled' if k.build_cpu_kernels() else 'portable path')"
 	@touch $@
 

@@ -84,6 +84,49 @@ def git_sha() -> str:
         return "unknown"
 
 
+# CPU flags that decide which vector code the kernels (built with -march=native), oneDNN
+# and FBGEMM run: AVX2/FMA/F16C, AVX-512 and its BF16 and VNNI parts, AMX tiles.
+KERNEL_FLAGS = (
+    "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+    "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16",
+)  # fmt: skip
+
+
+def cpu_summary() -> dict[str, Any]:
+    """This CPU's model name and which of ``KERNEL_FLAGS`` it has."""
+    from tetrarec.models.precision import cpu_flags
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model
+            )
+    except OSError:
+        pass
+    flags = cpu_flags() or frozenset()
+    return {"model": model, "flags": [f for f in KERNEL_FLAGS if f in flags]}
+
+
+def kernel_summary() -> dict[str, Any]:
+    """Which tetrarec kernel path this process ran, and what the compiled one was built for.
+
+    Returns:
+        ``{"kernels": "compiled" | "portable" | "none"}`` (see
+        ``tetrarec.kernels._build.kernel_path``), plus ``"isa"``: the compiled module's
+        ``build_info()`` (instruction sets it was compiled for, vector paths) when compiled.
+    """
+    from tetrarec.kernels._build import compiled_cpu_kernels, kernel_path
+
+    path = kernel_path()
+    out: dict[str, Any] = {"kernels": path}
+    if path == "compiled":
+        ext = compiled_cpu_kernels()
+        if ext is not None and hasattr(ext, "build_info"):
+            out["isa"] = dict(ext.build_info())
+    return out
+
+
 def environment() -> dict[str, Any]:
     return {
         "git_sha": git_sha(),
@@ -91,17 +134,42 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),
+        "cpu": cpu_summary(),
     }
 
 
-def write_json(path: str | None, config: dict[str, Any], results: list[dict[str, Any]]) -> None:
-    """Write ``{"env", "config", "results"}`` to ``path`` (if given)."""
+def write_json(
+    path: str | None,
+    config: dict[str, Any],
+    results: list[dict[str, Any]],
+    kernels: dict[str, Any] | None = None,
+) -> None:
+    """Write ``{"env", "config", "results"}`` to ``path`` (if given).
+
+    ``env.kernels`` is ``kernels`` when given (benchmarks whose workers ran the
+    kernels say what they ran), else this process's ``kernel_summary()``.
+    """
     if not path:
         return
-    payload = {"env": environment(), "config": config, "results": results}
+    env = environment()
+    env["kernels"] = kernels if kernels is not None else kernel_summary()
+    payload = {"env": env, "config": config, "results": results}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {path}", file=sys.stderr)
+
+
+def describe_run(kernels: dict[str, Any] | None = None) -> str:
+    """One line for a printed table: the CPU, its kernel flags and the kernel path."""
+    cpu = cpu_summary()
+    k = kernels if kernels is not None else kernel_summary()
+    line = f"CPU: {cpu['model']} [{' '.join(cpu['flags']) or 'no listed flags'}]; "
+    line += f"tetrarec kernels: {k['kernels']}"
+    if k["kernels"] == "portable":
+        line += " (portable PyTorch path, not the compiled kernel)"
+    if "isa" in k:
+        line += f", built for {k['isa'].get('isa', '?')}"
+    return line
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _harness import print_table, write_json
+from _harness import describe_run, kernel_summary, print_table, write_json
 
 from tetrarec.config import RunConfig
 from tetrarec.data import build_datasets
@@ -149,6 +149,7 @@ def main() -> None:
             **result.final.to_dict(),
             "wall_s": dlrm_s,
             "samples_per_s": result.samples_per_s,
+            "kernels": kernel_summary()["kernels"],
         },
         {"impl": "logistic-regression", **lr_metrics.to_dict(), "wall_s": lr_s},
     ]
@@ -168,6 +169,7 @@ def main() -> None:
             "auc_minus_logreg",
         ],
     )
+    print(describe_run())
     per_epoch = [{"step": s, "auc": m.auc, "log_loss": m.log_loss} for s, m in result.evals]
     print("DLRM per epoch:", ", ".join(f"step {e['step']}: AUC {e['auc']:.4f}" for e in per_epoch))
     write_json(args.json, {**vars(args), "data": str(args.data), "dlrm_evals": per_epoch}, rows)

@@ -3,7 +3,9 @@
 Measures, in rows per second:
 
 - ``criteo-parse`` / ``criteo-parse-gz``: raw Criteo TSV parsing (plain and gzip) of a
-  file of ``--rows`` rows made by repeating the real Kaggle sample's lines;
+  file of ``--rows`` rows made by repeating the real Kaggle sample's lines (``--sample``;
+  where that file is missing, synthetic Criteo-shaped lines instead: the output and the
+  JSON's ``config.criteo_sample`` say which);
 - ``preprocess``: ``preprocess_criteo`` of the plain file (parse + write .npy);
 - ``binary-loader``: the preprocessed format through ``BatchLoader`` (batch 2048,
   shuffle on, prefetch 2), i.e. what training reads;
@@ -34,7 +36,13 @@ import torch
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.insert(1, str(_HERE.parent))  # run from a checkout without installing
-from _harness import measure, print_table, write_json  # noqa: E402
+from _harness import (  # noqa: E402
+    describe_run,
+    kernel_summary,
+    measure,
+    print_table,
+    write_json,
+)
 
 from tetrarec.data import (  # noqa: E402
     BatchLoader,
@@ -52,21 +60,24 @@ SAMPLE = (
 )
 
 
-def sample_lines() -> list[bytes]:
-    """The real sample's lines, or synthetic Criteo lines where it is absent."""
-    if SAMPLE.exists():
-        return gzip.decompress(SAMPLE.read_bytes()).splitlines(keepends=True)
+def sample_lines(sample: Path) -> tuple[list[bytes], str]:
+    """The real sample's lines, or synthetic Criteo lines where it is absent.
+
+    Returns:
+        The lines, and ``"real"`` or ``"synthetic"``: which they are.
+    """
+    if sample.exists():
+        return gzip.decompress(sample.read_bytes()).splitlines(keepends=True), "real"
     rng = np.random.default_rng(0)
     out = []
     for _ in range(10_000):
         dense = [str(int(x)) if x >= 0 else "" for x in rng.integers(-2, 500, 13)]
         cats = [f"{int(x):08x}" for x in rng.integers(0, 2**32, 26)]
         out.append(("\t".join([str(int(rng.random() < 0.25)), *dense, *cats]) + "\n").encode())
-    return out
+    return out, "synthetic"
 
 
-def make_files(tmp: Path, rows: int) -> tuple[Path, Path]:
-    lines = sample_lines()
+def make_files(tmp: Path, rows: int, lines: list[bytes]) -> tuple[Path, Path]:
     reps, rest = divmod(rows, len(lines))
     data = b"".join(lines) * reps + b"".join(lines[:rest])
     plain, gz = tmp / "criteo.tsv", tmp / "criteo.tsv.gz"
@@ -136,6 +147,9 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="use this training rate instead of measuring the demo model",
     )
+    ap.add_argument(
+        "--sample", type=Path, default=SAMPLE, help="the raw Criteo sample whose lines are repeated"
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (for the smoke test)")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args(argv)
@@ -143,7 +157,14 @@ def main(argv: list[str] | None = None) -> None:
     repeats = 1 if args.smoke else 2
     with tempfile.TemporaryDirectory(prefix="bench-data-") as d:
         tmp = Path(d)
-        plain, gz = make_files(tmp, rows)
+        lines, source = sample_lines(args.sample)
+        if source == "synthetic":
+            print(
+                f"WARNING: {args.sample} not found: parsing synthetic Criteo-shaped lines, "
+                "not the real sample",
+                file=sys.stderr,
+            )
+        plain, gz = make_files(tmp, rows, lines)
         results = [
             {"impl": "criteo-parse", "rows_per_s": rows_per_s(lambda: parse_all(plain), repeats)},
             {"impl": "criteo-parse-gz", "rows_per_s": rows_per_s(lambda: parse_all(gz), repeats)},
@@ -184,11 +205,21 @@ def main(argv: list[str] | None = None) -> None:
             "rows_per_s": train_rate,
             "ratio_to_train": 1.0,
             "baseline": baseline,
+            "kernels": kernel_summary()["kernels"],
         }
     )
-    print(f"raw file: {rows} rows; loader batch {args.batch}; baseline: {baseline}")
+    what = f"the real sample {args.sample}" if source == "real" else "SYNTHETIC lines"
+    print(f"raw file: {rows} rows repeating {what}; loader batch {args.batch}")
+    print(f"baseline: {baseline}; {describe_run()}")
     print_table(results, ["impl", "rows_per_s", "ratio_to_train"])
-    config = {"rows": rows, "batch": args.batch, "smoke": args.smoke, "baseline": baseline}
+    config = {
+        "rows": rows,
+        "batch": args.batch,
+        "smoke": args.smoke,
+        "baseline": baseline,
+        "criteo_sample": source,
+        "criteo_sample_path": str(args.sample),
+    }
     write_json(args.json, config, results)
 
 

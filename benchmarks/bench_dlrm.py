@@ -29,7 +29,15 @@ import torch
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.insert(1, str(_HERE.parent))  # run from a checkout without installing
-from _harness import Timing, measure, peak_rss_gib, print_table, write_json  # noqa: E402
+from _harness import (  # noqa: E402
+    Timing,
+    describe_run,
+    kernel_summary,
+    measure,
+    peak_rss_gib,
+    print_table,
+    write_json,
+)
 
 NUM_DENSE = 13
 ADAGRAD_EPS = 1e-8
@@ -252,7 +260,8 @@ def torchrec_steps(args: argparse.Namespace) -> dict[str, Any]:
 # The parent starts them all, then times them in alternating rounds (A B A B ...): on a
 # shared, noisy machine every implementation sees the same mix of quiet and busy spells,
 # so the ratios hold even when the absolute times drift. Protocol, one line each:
-#   child -> parent  "@@ready"            after building and warming up
+#   child -> parent  "@@ready KERNELS"    after building and warming up (the kernel
+#                                         path that ran: see _harness.kernel_summary)
 #   parent -> child  "run VARIANT K"      child -> parent "@@times [s, s, ...]"
 #   parent -> child  "quit"               child -> parent "@@rss GIB"
 
@@ -280,7 +289,7 @@ def profile_steps(impl: str, args: argparse.Namespace, steps: dict[str, Any]) ->
 def serve(args: argparse.Namespace) -> None:
     """Child side of the protocol above."""
     steps = build_steps(args, args.impl, args.dense_dtype.split(","))
-    print("@@ready", flush=True)
+    print("@@ready " + json.dumps(kernel_summary()), flush=True)
     for line in sys.stdin:
         cmd = line.split()
         if cmd[0] == "run":
@@ -301,11 +310,12 @@ class _Child:
         self.proc: subprocess.Popen[str] | None = None
         if args.smoke:
             self.steps = build_steps(args, impl, variants)
+            self.kernels = kernel_summary()
             return
         argv = [sys.executable, str(Path(__file__).resolve()), "--serve", "--impl", impl]
         argv += [*forwarded_argv(args), "--dense-dtype", ",".join(variants)]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._expect("@@ready")
+        self.kernels: dict[str, Any] = json.loads(self._expect("@@ready"))
 
     def _expect(self, tag: str) -> str:
         assert self.proc is not None
@@ -358,8 +368,12 @@ def torchrec_available() -> bool:
     return True
 
 
-def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Start every implementation, time them in alternating rounds, add ratios."""
+def run_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Start every implementation, time them in alternating rounds, add ratios.
+
+    Returns:
+        The result rows, and the tetrarec child's kernel summary.
+    """
     plan = []
     if args.impl in ("all", "tetrarec"):
         plan.append(("tetrarec", args.dense_dtype.split(",")))
@@ -373,6 +387,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
             for v in variants:
                 times.setdefault((impl, v), []).extend(child.run(v, per_round))
     rss = {impl: child.finish() for child, (impl, _) in zip(children, plan)}
+    kernels = {impl: child.kernels for child, (impl, _) in zip(children, plan)}
     results = []
     for (impl, variant), secs in times.items():
         t = Timing(secs)
@@ -383,6 +398,8 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "dense_dtype": variant,
                 "bf16_matmul": bf16_matmul_used(variant),
                 "embedding": args.embedding if impl == "tetrarec" else "torchrec-fused",
+                # the tetrarec kernel path that ran ("fbgemm" for TorchRec's fused tables)
+                "kernels": kernels[impl]["kernels"] if impl == "tetrarec" else "fbgemm",
                 "pooling": args.pooling,
                 "median_ms": t.median * 1e3,
                 "p90_ms": t.p90 * 1e3,
@@ -395,7 +412,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     for r in results:
         if base is not None:
             r["vs_torchrec_fp32"] = r["samples_per_s"] / base["samples_per_s"]
-    return results
+    return results, kernels.get("tetrarec", {"kernels": "none"})
 
 
 # -- BF16 accuracy ----------------------------------------------------------------------
@@ -539,18 +556,22 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.auc_check:
         config = {k: v for k, v in vars(args).items() if k not in ("json", "serve")}
-        write_json(args.json, config, auc_check(args))
+        results = auc_check(args)
+        print(describe_run())
+        write_json(args.json, config, results)
         return
     if args.serve:  # child: one implementation, timed on the parent's command
         serve(args)
         return
-    results = run_all(args)
-    cols = ["impl", "model", "dense_dtype", "bf16_matmul", "embedding", "pooling", "median_ms"]
+    results, kernels = run_all(args)
+    print(describe_run(kernels))
+    cols = ["impl", "model", "dense_dtype", "bf16_matmul", "embedding", "kernels", "pooling"]
+    cols += ["median_ms"]
     cols += ["p90_ms"]
     cols += ["min_ms", "samples_per_s", "peak_rss_gib"]
     print_table(results, cols + (["vs_torchrec_fp32"] if "vs_torchrec_fp32" in results[0] else []))
     config = {k: v for k, v in vars(args).items() if k not in ("json", "serve")}
-    write_json(args.json, config, results)
+    write_json(args.json, config, results, kernels=kernels)
 
 
 if __name__ == "__main__":

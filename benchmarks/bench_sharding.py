@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _harness import print_table, write_json
+from _harness import describe_run, kernel_summary, print_table, write_json
 from bench_dlrm import NUM_DENSE, zipf_ids
 
 TYPES = (
@@ -273,7 +273,7 @@ def rank_worker(ctx: Any, cfg: Config, kind: str, with_torchrec: bool) -> dict[s
     timed = cfg.rounds * cfg.steps
     sent = {k: v.bytes_sent / timed for k, v in ctx.comm.stats.items()}
     sent.update({k: v.bytes_sent / timed for k, v in ctx.dense_comm.stats.items()})
-    return {"times": times, "bytes": sent}
+    return {"times": times, "bytes": sent, "kernels": kernel_summary()}
 
 
 @dataclass(frozen=True)
@@ -290,7 +290,8 @@ def one_process_worker(ctx: Any, cfg: Config) -> dict[str, Any]:
     torch.set_num_threads(cfg.cores)
     step = tetrarec_step(cfg, "table_wise", None)
     _timed(step, cfg.warmup)
-    return {"times": {"tetrarec": _timed(step, cfg.rounds * cfg.steps)}, "bytes": {}}
+    times = {"tetrarec": _timed(step, cfg.rounds * cfg.steps)}
+    return {"times": times, "bytes": {}, "kernels": kernel_summary()}
 
 
 def run_point(cfg: Config, kind: str, world: int, with_torchrec: bool) -> list[dict[str, Any]]:
@@ -311,6 +312,7 @@ def run_point(cfg: Config, kind: str, world: int, with_torchrec: bool) -> list[d
             deterministic=False,
         )
     rows = []
+    kernels = res[0]["kernels"]
     for impl, seconds in res[0]["times"].items():
         med = statistics.median(seconds)
         by_label: dict[str, float] = {}
@@ -328,6 +330,7 @@ def run_point(cfg: Config, kind: str, world: int, with_torchrec: bool) -> list[d
                 "step_ms_min": min(seconds) * 1e3,
                 "bytes_per_step": sum(by_label.values()) if impl == "tetrarec" else None,
                 "bytes_per_collective": by_label if impl == "tetrarec" else None,
+                "kernels": kernels["kernels"] if impl == "tetrarec" else "fbgemm",
             }
         )
     return rows
@@ -402,8 +405,11 @@ def main(argv: list[str] | None = None) -> int:
             "vs_one_process", "bytes_per_step"]  # fmt: skip
     if trec_rows:
         cols.append("vs_torchrec")
+    kernels = {"kernels": results[0]["kernels"]}
+    print(describe_run(kernels))
     print_table(results, cols)
-    write_json(args.json, asdict(cfg) | {"types": kinds, "world_sizes": worlds}, results)
+    config = asdict(cfg) | {"types": kinds, "world_sizes": worlds}
+    write_json(args.json, config, results, kernels=kernels)
     return 0
 
 

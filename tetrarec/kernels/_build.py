@@ -4,27 +4,42 @@ Nothing here runs at ``import tetrarec``: the extension is compiled (or loaded f
 cache) on the first call that needs it. ``torch.utils.cpp_extension.load`` holds a file
 lock in the build directory, so two processes compiling at once wait for each other.
 
-If compilation fails (no compiler, no ninja), one warning is logged and the portable
-PyTorch path in ``reference.py`` runs instead. ``TETRAREC_KERNELS=reference`` forces the
-portable path; ``TETRAREC_KERNELS=compiled`` makes a failed build an error.
+The build directory is keyed by everything that changes the binary: the bytes of every
+file in ``csrc/``, the compile and link flags, the compiler (``CXX``), the torch version
+and this CPU's model and feature flags (the kernels are built with ``-march=native``).
+Two checkouts with different sources on one machine therefore keep two builds instead
+of rebuilding each other's on every run.
+
+If compilation fails (no compiler, no ninja, a compile error), one warning is logged and
+the portable PyTorch path in ``reference.py`` runs instead, unless a failed build must
+be an error: with ``TETRAREC_KERNELS=compiled``, or in CI (``CI`` set to ``true``/``1``,
+as CI services and ``.ci/run`` set it), where a broken kernel must fail the run rather
+than turn the compiled-path tests into skips. ``TETRAREC_KERNELS=reference`` forces the
+portable path.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 import threading
 import time
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["compiled_cpu_kernels", "kernel_mode"]
+__all__ = ["build_key", "build_strict", "compiled_cpu_kernels", "kernel_mode", "kernel_path"]
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ("tbe_cpu", "interaction_cpu", "bf16_cpu")
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+_LDFLAGS = ("-fopenmp",)
 _LOCK = threading.Lock()
 _STATE: dict[str, ModuleType | None] = {}
+_ERRORS: dict[str, str] = {}  # why a build failed, for the errors of later calls
 _MODES = ("auto", "reference", "compiled")
 
 
@@ -40,31 +55,57 @@ def kernel_mode() -> str:
     return mode
 
 
-def _cpu_tag() -> str:
-    """A short hash of this CPU's model and feature flags.
+def build_strict() -> bool:
+    """Whether a failed build is an error: ``TETRAREC_KERNELS=compiled``, or in CI.
 
-    The kernels are built with ``-march=native``: a build cached on one CPU may use
-    instructions another lacks, so each CPU kind gets its own build directory.
+    CI is detected by the ``CI`` environment variable (``true``/``1``/``yes``), which
+    GitHub Actions, GitLab CI and ``.ci/run`` set.
     """
-    import hashlib
-    import platform
+    in_ci = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+    return kernel_mode() == "compiled" or in_ci
 
-    import torch
 
-    facts = [platform.machine(), torch.__version__]
+def _cpu_facts() -> list[str]:
+    """This CPU's model name and feature flags (what ``-march=native`` compiles for)."""
     try:
         with open("/proc/cpuinfo") as f:
-            facts += sorted(
+            return sorted(
                 {ln.strip() for ln in f if ln.startswith(("model name", "flags", "Features"))}
             )
     except OSError:
-        facts.append(platform.processor())
-    return hashlib.sha1("\n".join(facts).encode()).hexdigest()[:12]
+        return [platform.processor()]
 
 
-def _build_dir() -> Path:
+def build_key(csrc: Path = _CSRC) -> str:
+    """A short hash of everything the compiled binary depends on (see the module doc).
+
+    Args:
+        csrc: the source directory (default: this checkout's).
+
+    Returns:
+        16 hex digits: the name of this build's cache directory.
+    """
+    import torch
+
+    h = hashlib.sha256()
+    for path in sorted(csrc.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    facts = [
+        " ".join(_CFLAGS),
+        " ".join(_LDFLAGS),
+        os.environ.get("CXX", "c++"),
+        torch.__version__,
+        platform.machine(),
+        *_cpu_facts(),
+    ]
+    h.update("\n".join(facts).encode())
+    return h.hexdigest()[:16]
+
+
+def _build_dir(key: str) -> Path:
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    path = root / "tetrarec" / "torch_extensions" / _cpu_tag()
+    path = root / "tetrarec" / "torch_extensions" / key
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -73,13 +114,16 @@ def _compile() -> ModuleType:
     from torch.utils import cpp_extension
 
     start = time.perf_counter()
+    key = build_key()
     module = cpp_extension.load(
-        name="tetrarec_tbe_cpu",
-        sources=[str(_CSRC / f"{name}.cpp") for name in ("tbe_cpu", "interaction_cpu", "bf16_cpu")],
+        # One module name per build: torch numbers the builds of a name within a process
+        # and would rebuild another build directory's under a new number.
+        name=f"tetrarec_cpu_{key}",
+        sources=[str(_CSRC / f"{name}.cpp") for name in _SOURCES],
         extra_include_paths=[str(_CSRC)],
-        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(_build_dir()),
+        extra_cflags=list(_CFLAGS),
+        extra_ldflags=list(_LDFLAGS),
+        build_directory=str(_build_dir(key)),
         verbose=False,
     )
     logger.info("tetrarec CPU kernels ready in %.1f s", time.perf_counter() - start)
@@ -90,10 +134,13 @@ def _compile() -> ModuleType:
 def compiled_cpu_kernels() -> ModuleType | None:
     """The compiled CPU kernel module, or ``None`` when the portable path must run.
 
-    Builds at most once per process; a failure is logged once and remembered.
+    Builds at most once per process; a failure is remembered (and, where it is not an
+    error, logged once).
 
     Raises:
-        RuntimeError: if ``TETRAREC_KERNELS=compiled`` and the build fails.
+        RuntimeError: if the build failed where that must be an error
+            (``TETRAREC_KERNELS=compiled``, or in CI: see ``build_strict``); every call
+            raises it again, naming the build's error.
     """
     mode = kernel_mode()
     if mode == "reference":
@@ -103,12 +150,35 @@ def compiled_cpu_kernels() -> ModuleType | None:
             try:
                 _STATE["cpu"] = _compile()
             except Exception as exc:
-                if mode == "compiled":
-                    raise RuntimeError(f"building tetrarec CPU kernels failed: {exc}") from exc
-                logger.warning(
-                    "building tetrarec CPU kernels failed (%s); using the portable PyTorch "
-                    "path, which is several times slower",
-                    exc,
-                )
                 _STATE["cpu"] = None
-        return _STATE["cpu"]
+                _ERRORS["cpu"] = f"{type(exc).__name__}: {exc}"
+                if not build_strict():
+                    logger.warning(
+                        "building tetrarec CPU kernels failed (%s); using the portable "
+                        "PyTorch path, which is several times slower",
+                        exc,
+                    )
+        module = _STATE["cpu"]
+    if module is None and build_strict():
+        why = "TETRAREC_KERNELS=compiled" if mode == "compiled" else "CI is set"
+        raise RuntimeError(
+            f"building tetrarec CPU kernels failed ({why}, so this is an error, not a "
+            f"fallback to the portable path): {_ERRORS.get('cpu', 'unknown error')}"
+        )
+    return module
+
+
+def kernel_path() -> str:
+    """Which table-batched kernel this process has run: for benchmark reports.
+
+    Returns:
+        ``"compiled"`` when the compiled CPU kernels are loaded in this process,
+        ``"portable"`` when the portable PyTorch path runs instead (forced by
+        ``TETRAREC_KERNELS=reference`` or after a failed build), ``"none"`` when no
+        CPU kernel has been asked for yet.
+    """
+    if kernel_mode() == "reference":
+        return "portable"
+    if "cpu" not in _STATE:
+        return "none"
+    return "compiled" if _STATE["cpu"] is not None else "portable"

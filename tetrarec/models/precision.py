@@ -15,7 +15,10 @@ optimizer state stay FP32. Two ways give those numerics:
   numerics, as the BF16 cluster it will train on.
 
 ``auto`` (the default) picks ``native`` where the device has BF16 units and ``emulated``
-elsewhere. The dense modules call ``linear`` instead of ``F.linear``; the model enters
+elsewhere: on x86 CPUs that means the ``avx512_bf16`` or ``amx_bf16`` instructions (a
+CPU with AVX-512 but neither emulates: oneDNN would run its BF16 products on FP32 units,
+slower than the emulation), on Arm CPUs the ``bf16`` feature, and any CUDA device that
+supports BF16. The dense modules call ``linear`` instead of ``F.linear``; the model enters
 ``dense_precision_context`` around them.
 """
 
@@ -36,12 +39,18 @@ from tetrarec.types import NamedEnum, Precision
 __all__ = [
     "BF16Matmul",
     "bf16_emulation_active",
+    "cpu_flags",
     "dense_precision_context",
     "emulated_bf16",
     "has_native_bf16",
     "linear",
+    "parse_cpu_flags",
     "round_to_bf16",
 ]
+
+# CPU feature flags (as /proc/cpuinfo spells them) that mean BF16 products run on BF16
+# units: AVX-512 BF16 (vdpbf16ps), AMX tiles (Sapphire Rapids and later), Arm's BF16.
+_NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 
 class BF16Matmul(NamedEnum):
@@ -76,21 +85,74 @@ def emulated_bf16(enabled: bool = True) -> Iterator[None]:
         _state.emulate = previous
 
 
+def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The feature flags named in the text of ``/proc/cpuinfo``.
+
+    Args:
+        cpuinfo: the file's text; its ``flags`` (x86) or ``Features`` (Arm) lines are read.
+
+    Returns:
+        The union of the flags of every listed processor.
+    """
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        name, sep, rest = line.partition(":")
+        if sep and name.strip() in ("flags", "Features"):
+            flags.update(rest.split())
+    return frozenset(flags)
+
+
 @functools.cache
-def has_native_bf16(device_type: str) -> bool:
+def cpu_flags() -> frozenset[str] | None:
+    """This machine's CPU feature flags, read from ``/proc/cpuinfo`` once per process.
+
+    Returns:
+        The flags, or ``None`` where the file does not exist (not Linux).
+    """
+    try:
+        with open("/proc/cpuinfo") as f:
+            return parse_cpu_flags(f.read())
+    except OSError:
+        return None
+
+
+def has_native_bf16(device_type: str, flags: frozenset[str] | str | None = None) -> bool:
     """Whether ``device_type``'s BF16 matrix products run on BF16 hardware.
 
-    CPU: oneDNN's report (AVX-512 or AMX); CUDA: ``torch.cuda.is_bf16_supported()``;
-    other devices are assumed native.
+    CPU: the CPU has BF16 instructions (``avx512_bf16`` or ``amx_bf16``; ``bf16`` on
+    Arm); AVX-512 alone is not enough. Where no flags can be read (not Linux), oneDNN's
+    own report decides. CUDA: ``torch.cuda.is_bf16_supported()``. Other devices are
+    assumed native.
+
+    Args:
+        device_type: ``"cpu"``, ``"cuda"``, ...
+        flags: the CPU's feature flags to decide from (a set, or the text of a
+            ``/proc/cpuinfo``); default: this machine's, read once per process.
     """
     if device_type == "cpu":
-        try:
-            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except (AttributeError, RuntimeError):
-            return True
+        if isinstance(flags, str):
+            flags = parse_cpu_flags(flags)
+        if flags is None:
+            flags = cpu_flags()
+        if flags is not None:
+            return not flags.isdisjoint(_NATIVE_BF16_FLAGS)
+        return _onednn_native_bf16()
     if device_type == "cuda":
-        return bool(torch.cuda.is_bf16_supported())
+        return _cuda_native_bf16()
     return True
+
+
+@functools.cache
+def _cuda_native_bf16() -> bool:
+    return bool(torch.cuda.is_bf16_supported())
+
+
+@functools.cache
+def _onednn_native_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True
 
 
 def dense_precision_context(
@@ -99,7 +161,7 @@ def dense_precision_context(
     """The context the dense path runs in for ``precision`` on ``device_type``.
 
     FP32: nothing. BF16: ``torch.autocast`` when ``matmul`` resolves to native,
-    ``emulated_bf16()`` when it resolves to emulated.
+    ``emulated_bf16()`` when it resolves to emulated (``auto``: see ``has_native_bf16``).
     """
     if precision is Precision.FP32:
         return contextlib.nullcontext()

@@ -35,6 +35,7 @@ from tqdm import tqdm
 from tetrarec.comm import LaunchInfo, destroy, is_joined
 from tetrarec.config import RunConfig, TrainConfig
 from tetrarec.data import BatchLoader, build_datasets
+from tetrarec.kernels import build_cpu_kernels
 from tetrarec.sparse import Batch
 from tetrarec.train.build import RunParts, build_parts, build_tables, model_embeddings
 from tetrarec.train.checkpoint import latest_checkpoint
@@ -245,6 +246,9 @@ class _Run:
             disable=not tc.progress or self.rank != 0,
             dynamic_ncols=True,
         )
+        # The compiled kernels build (or load from the cache) on first use: do it here,
+        # before the clock starts, so that samples_per_s never includes a compile.
+        build_cpu_kernels()
         seconds = 0.0
         with bar:
             while self.step < tc.steps:

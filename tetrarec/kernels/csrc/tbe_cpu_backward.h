@@ -1,6 +1,8 @@
 // Fused backward + sparse optimizer for CPU; included by tbe_cpu.cpp (same namespace).
 #pragma once
 
+#include <type_traits>
+
 namespace {
 
 enum class Kind { kSgd, kAdagrad, kRowwiseAdagrad, kAdam, kRowwiseAdam };
@@ -139,6 +141,42 @@ uint64_t* radix_sort_keys(uint64_t* a, uint64_t* tmp, int64_t n, int key_bits,
   return a;
 }
 
+// Stable LSD radix sort of each feature's segment of keys [start[f], start[f + 1]) on the
+// bits of the id within its table, features in parallel. Valid when no table of the
+// store is looked up by two features: a segment then holds every id of its table, so
+// the sort groups each row's ids in position order, as the global sort does (the same
+// sums in the same order), while each segment's passes run in cache and on fewer bits.
+inline void segment_sort_keys(uint64_t* keys, uint64_t* tmp, const Meta& M, const int64_t* start) {
+  constexpr int kMaxDigit = 11;  // 2048 buckets: the histogram stays in L1
+  at::parallel_for(0, M.F, 1, [&](int64_t f0, int64_t f1) {
+    std::vector<int64_t> hist(int64_t(1) << kMaxDigit);
+    for (int64_t f = f0; f < f1; ++f) {
+      const int64_t t = M.feat_table[f], n = start[f + 1] - start[f];
+      if (t < 0 || n < 2) continue;
+      int bits = 1;
+      while ((int64_t(1) << bits) < M.rows[t]) ++bits;
+      const int passes = (bits + kMaxDigit - 1) / kMaxDigit;
+      const int digit = (bits + passes - 1) / passes;
+      const uint64_t mask = (uint64_t(1) << digit) - 1, roff = static_cast<uint64_t>(M.row_off[t]);
+      uint64_t *a = keys + start[f], *b = tmp + start[f];
+      for (int p = 0; p < passes; ++p) {
+        const int shift = p * digit;
+        std::fill(hist.begin(), hist.begin() + (mask + 1), 0);
+        for (int64_t i = 0; i < n; ++i) ++hist[(((a[i] >> 32) - roff) >> shift) & mask];
+        int64_t total = 0;
+        for (uint64_t d = 0; d <= mask; ++d) {
+          const int64_t c = hist[d];
+          hist[d] = total;
+          total += c;
+        }
+        for (int64_t i = 0; i < n; ++i) b[hist[(((a[i] >> 32) - roff) >> shift) & mask]++] = a[i];
+        std::swap(a, b);
+      }
+      if (a != keys + start[f]) std::memcpy(keys + start[f], a, n * sizeof(uint64_t));
+    }
+  });
+}
+
 // Sorted (key << 32 | low) pairs of every id of the group's features, where low is the
 // id's position j when per-id weights need it, else its bag s = f * B + b (which saves a
 // random lookup of seg[j] per id later). seg[j] = s is filled only in the first case.
@@ -199,10 +237,19 @@ const uint64_t* sorted_keys(const BackwardArgs& A, const Idx* values, Scratch& S
                 " (its index in the feature order): id ", static_cast<int64_t>(values[j]),
                 " is outside its table of ", M.rows[M.feat_table[s / A.B]], " rows");
   }
+  *n_out = n;
+  std::vector<int64_t> per_table(M.T, 0);
+  bool one_feature_per_table = true;
+  for (int64_t f = 0; f < M.F; ++f)
+    if (M.feat_table[f] >= 0) one_feature_per_table &= ++per_table[M.feat_table[f]] == 1;
+  if (one_feature_per_table) {
+    std::vector<int64_t> start(M.F + 1);
+    for (int64_t f = 0; f <= M.F; ++f) start[f] = A.offsets[f * A.B] - skipped[f];
+    segment_sort_keys(keys, S.tmp.data(), M, start.data());
+    return keys;
+  }
   int bits = 1;
   while ((int64_t(1) << bits) < total_rows) ++bits;
-  *n_out = n;
-  return radix_sort_keys(keys, S.tmp.data(), n, bits, S.hist);
   return radix_sort_keys(keys, S.tmp.data(), n, bits, S.hist);
 }
 
@@ -351,13 +398,16 @@ inline void sum_row_grads(const UpdateCtx& C, int64_t* k, int64_t k_end, int64_t
 }
 
 // Update the rows of sorted ids [k, k_end), kBatch rows at a time, prefetching the row,
-// its state and its first gradient kAhead rows ahead.
+// its state and the gradients of its ids kAhead rows ahead. FP32 rows are updated where
+// they lie (decoding and encoding them would be two plain copies); other precisions are
+// decoded to FP32, updated and encoded back.
 template <class Codec>
 void update_range(const UpdateCtx& C, int64_t k, int64_t k_end) {
+  constexpr bool in_place = std::is_same_v<Codec, F32>;
   const BackwardArgs& A = *C.A;
   const Meta& M = *A.M;
   const bool rowwise = A.kind == Kind::kRowwiseAdagrad;
-  std::vector<float> wbuf(kBatch * M.max_dim), abuf(kBatch * M.max_dim);
+  std::vector<float> wbuf(in_place ? 0 : kBatch * M.max_dim), abuf(kBatch * M.max_dim);
   float *wp[kBatch], *ap[kBatch];
   uint8_t* rps[kBatch];
   int64_t ts[kBatch], rows[kBatch], Ds[kBatch];
@@ -376,14 +426,16 @@ void update_range(const UpdateCtx& C, int64_t k, int64_t k_end) {
     const uint64_t key = C.keys[kc];
     int64_t tp, rp, fp;
     float Lp;
-    prefetch_row(locate(key, &tp, &rp), Codec::width(M.dims[tp]) * Codec::kElem);
-    if (rowwise) __builtin_prefetch(A.state[0] + A.state_off[0][tp] + rp);
-    prefetch_row(reinterpret_cast<const uint8_t*>(C.grads->row(C.bag_of(key), &fp, &Lp)),
-                 M.dims[tp] * 4);
-    for (++kc; kc < k_end && (C.keys[kc] >> 32) == (key >> 32);) ++kc;
+    const uint8_t* r = locate(key, &tp, &rp);
+    const int64_t bytes = Codec::width(M.dims[tp]) * Codec::kElem;
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(r + b, in_place ? 1 : 0);
+    if (rowwise) __builtin_prefetch(A.state[0] + A.state_off[0][tp] + rp, 1);
+    for (; kc < k_end && (C.keys[kc] >> 32) == (key >> 32); ++kc)
+      prefetch_row(reinterpret_cast<const uint8_t*>(C.grads->row(C.bag_of(C.keys[kc]), &fp, &Lp)),
+                   M.dims[tp] * 4);
   };
   for (int64_t i = 0; i < kBatch; ++i) {
-    wp[i] = wbuf.data() + i * M.max_dim;
+    wp[i] = in_place ? nullptr : wbuf.data() + i * M.max_dim;
     ap[i] = abuf.data() + i * M.max_dim;
   }
   for (int64_t i = 0; i < kAhead; ++i) advance_prefetch();
@@ -394,7 +446,11 @@ void update_range(const UpdateCtx& C, int64_t k, int64_t k_end) {
       rps[nb] = locate(C.keys[k], &ts[nb], &rows[nb]);
       rkeys[nb] = static_cast<uint64_t>(M.row_keys[ts[nb]]) + static_cast<uint64_t>(rows[nb]);
       Ds[nb] = M.dims[ts[nb]];
-      Codec::load(rps[nb], Ds[nb], wp[nb]);
+      if constexpr (in_place) {
+        wp[nb] = reinterpret_cast<float*>(rps[nb]);
+      } else {
+        Codec::load(rps[nb], Ds[nb], wp[nb]);
+      }
       sum_row_grads(C, &k, k_end, Ds[nb], wp[nb], ap[nb]);
     }
     if (rowwise) {
@@ -402,9 +458,11 @@ void update_range(const UpdateCtx& C, int64_t k, int64_t k_end) {
     } else {
       for (int i = 0; i < nb; ++i) apply_rule(A, ts[i], rows[i], Ds[i], wp[i], ap[i]);
     }
-    for (int i = 0; i < nb; ++i)
-      Codec::store(rps[i], Ds[i], wp[i], A.stochastic,
-                   mix64(A.seed ^ (rkeys[i] * 0xA24BAED4963EE407ULL)), M.col_starts[ts[i]]);
+    if constexpr (!in_place) {
+      for (int i = 0; i < nb; ++i)
+        Codec::store(rps[i], Ds[i], wp[i], A.stochastic,
+                     mix64(A.seed ^ (rkeys[i] * 0xA24BAED4963EE407ULL)), M.col_starts[ts[i]]);
+    }
   }
 }
 
