@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <string>
@@ -27,6 +28,9 @@
 
 #if defined(__F16C__)
 #include <immintrin.h>
+#endif
+#if defined(__linux__)
+#include <sys/mman.h>
 #endif
 
 namespace {
@@ -279,6 +283,57 @@ Meta read_meta(const std::vector<at::Tensor>& meta) {
   return M;
 }
 
+// Ask Linux to back [p, p + bytes) with 2 MiB pages (its 2 MiB-aligned interior) before it
+// is first written. For the large buffers the kernels write or read at random (a fresh
+// output of tens of MiB, the gathered gradients, the sort keys) 4 KiB pages cost a page
+// fault per 4 KiB on first touch and a TLB miss per random read: at batch 8192 x 26
+// features x dim 64 (a 54 MB output) the faults were 2/3 of the forward's time here.
+// No effect on memory already touched; TETRAREC_HUGE_PAGES=0 turns it off, as for the
+// tables (kernels/memory.py).
+constexpr uintptr_t kHugePage = uintptr_t(2) << 20;
+inline void advise_huge_pages(void* p, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  static const bool enabled = [] {
+    const char* e = std::getenv("TETRAREC_HUGE_PAGES");
+    return e == nullptr || std::strcmp(e, "0") != 0;
+  }();
+  if (!enabled || bytes < 4 * kHugePage) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHugePage - 1) & ~(kHugePage - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHugePage - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+// A growable scratch array (no copy, no initialization on growth) whose large
+// allocations are 2 MiB-aligned and advised onto huge pages before first touch.
+template <typename T>
+class HugeArray {
+ public:
+  HugeArray() = default;
+  HugeArray(const HugeArray&) = delete;
+  HugeArray& operator=(const HugeArray&) = delete;
+  ~HugeArray() { std::free(ptr_); }
+  size_t size() const { return size_; }
+  T* data() const { return ptr_; }
+  void resize(size_t n) {  // grows only; the contents are not kept
+    if (n <= size_) return;
+    std::free(ptr_);
+    const size_t bytes = n * sizeof(T);
+    const size_t align = bytes >= 4 * kHugePage ? kHugePage : 64;
+    ptr_ = static_cast<T*>(std::aligned_alloc(align, (bytes + align - 1) / align * align));
+    TORCH_CHECK(ptr_ != nullptr, "tetrarec tbe: out of memory for ", bytes, " bytes of scratch");
+    advise_huge_pages(ptr_, bytes);
+    size_ = n;
+  }
+
+ private:
+  T* ptr_ = nullptr;
+  size_t size_ = 0;
+};
+
 inline void prefetch_row(const uint8_t* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
 }
@@ -304,52 +359,139 @@ inline int64_t prefetch_distance(int64_t row_bytes) {
   return std::min<int64_t>(24, std::max<int64_t>(6, 4096 / std::max<int64_t>(row_bytes, 1)));
 }
 
+// Eight floats in one vector register (AVX2: a ymm; GCC splits it where vectors are
+// narrower). Loads and stores go through memcpy: rows need not be 32-byte aligned.
+typedef float v8f __attribute__((vector_size(32)));
+inline v8f load8(const float* p) {
+  v8f x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+inline void store8(float* p, v8f x) { std::memcpy(p, &x, sizeof x); }
+
+// Where a forward bag's ids are and what to do with them (see forward_impl).
+template <typename Idx>
+struct BagScan {
+  const Idx* values;
+  const float* psw;
+  int64_t rows, ahead, j_end, f;
+  bool check;
+  int64_t* bad;
+  void record_bad(int64_t id) const {
+#pragma omp critical
+    if (bad[0] < 0 || f < bad[0] || (f == bad[0] && id < bad[1])) {
+      bad[0] = f;
+      bad[1] = id;
+    }
+  }
+};
+
+// FP32 rows: columns [d0, d0 + 8 NV) of one bag summed in NV vector registers, in id
+// order (0, then + w * row per id, then / L for mean pooling: the portable path's
+// operations), then stored once. Summing in the output row instead made every add wait
+// for the output line's fetch; registers also save a load and a store per id and
+// vector. The first chunk of a row (d0 == 0) prefetches ahead and records bad ids.
+template <int NV, typename Idx>
+inline void sum_f32_chunk(const BagScan<Idx>& S, const float* table, int64_t D, int64_t j0,
+                          int64_t j1, int64_t d0, float mean_L, float* o) {
+  v8f acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = v8f{};
+  for (int64_t j = j0; j < j1; ++j) {
+    if (d0 == 0 && j + S.ahead < S.j_end) {
+      const int64_t next = static_cast<int64_t>(S.values[j + S.ahead]);
+      if (next >= 0 && next < S.rows)
+        prefetch_row(reinterpret_cast<const uint8_t*>(table + next * D), D * 4);
+    }
+    const int64_t id = static_cast<int64_t>(S.values[j]);
+    if (id < 0 || id >= S.rows) {
+      if (d0 == 0 && S.check) S.record_bad(id);
+      continue;
+    }
+    const float* row = table + id * D + d0;
+    const float w = S.psw ? S.psw[j] : 1.0f;
+    for (int v = 0; v < NV; ++v) acc[v] += w * load8(row + 8 * v);
+  }
+  if (mean_L > 0.0f)
+    for (int v = 0; v < NV; ++v) acc[v] = acc[v] / mean_L;
+  for (int v = 0; v < NV; ++v) store8(o + d0 + 8 * v, acc[v]);
+}
+
+template <typename Idx>
+inline void sum_f32_bag(const BagScan<Idx>& S, const float* table, int64_t D, int64_t j0,
+                        int64_t j1, float mean_L, float* o) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    switch (std::min<int64_t>(64, D - d0) / 8) {
+      case 8: sum_f32_chunk<8>(S, table, D, j0, j1, d0, mean_L, o); break;
+      case 7: sum_f32_chunk<7>(S, table, D, j0, j1, d0, mean_L, o); break;
+      case 6: sum_f32_chunk<6>(S, table, D, j0, j1, d0, mean_L, o); break;
+      case 5: sum_f32_chunk<5>(S, table, D, j0, j1, d0, mean_L, o); break;
+      case 4: sum_f32_chunk<4>(S, table, D, j0, j1, d0, mean_L, o); break;
+      case 3: sum_f32_chunk<3>(S, table, D, j0, j1, d0, mean_L, o); break;
+      case 2: sum_f32_chunk<2>(S, table, D, j0, j1, d0, mean_L, o); break;
+      default: sum_f32_chunk<1>(S, table, D, j0, j1, d0, mean_L, o); break;
+    }
+  }
+}
+
+// Any row format: decode each row and sum it into acc (L1-resident), then write the
+// output row once.
+template <class Codec, typename Idx>
+inline void sum_bag(const BagScan<Idx>& S, const uint8_t* table, int64_t D, int64_t bytes,
+                    int64_t j0, int64_t j1, float mean_L, float* acc, float* tmp, float* o) {
+  std::fill(acc, acc + D, 0.0f);
+  for (int64_t j = j0; j < j1; ++j) {
+    if (j + S.ahead < S.j_end) {
+      const int64_t next = static_cast<int64_t>(S.values[j + S.ahead]);
+      if (next >= 0 && next < S.rows) prefetch_row(table + next * bytes, bytes);
+    }
+    const int64_t id = static_cast<int64_t>(S.values[j]);
+    if (id < 0 || id >= S.rows) {
+      if (S.check) S.record_bad(id);
+      continue;
+    }
+    Codec::accum(table + id * bytes, D, S.psw ? S.psw[j] : 1.0f, acc, tmp);
+  }
+  if (mean_L > 0.0f) {
+    for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / mean_L;
+  } else {
+    for (int64_t d = 0; d < D; ++d) o[d] = acc[d];
+  }
+}
+
 // Pooled lookup. Each thread takes a range of bags s = f * B + b (key-major, so one
 // feature's bags, and their ids, are contiguous) and walks it feature by feature: the
 // table, dim and row size are fixed within a feature, and the row of the id `ahead`
-// positions later in the feature's id stream is prefetched whatever the bag sizes.
-// Each bag is summed in id order directly in its output row (0, then + w * row for each
-// id, then / L for mean pooling: the same operations, in the same order, as the
-// portable path).
+// positions later in the feature's id stream is prefetched whatever the bag sizes. An
+// id outside its table is skipped (and reported when `check`).
 template <class Codec, typename Idx>
 void forward_impl(const at::Tensor& weights, const Meta& M, const Idx* values,
                   const int64_t* offsets, const float* psw, float* out, int64_t B, int64_t ld,
                   bool check, int64_t* bad) {
   const uint8_t* base = reinterpret_cast<const uint8_t*>(weights.data_ptr());
   at::parallel_for(0, M.F * B, 256, [&](int64_t begin, int64_t end) {
-    std::vector<float> tmp(M.max_dim);
+    std::vector<float> acc(M.max_dim), tmp(M.max_dim);
     for (int64_t f = begin / B; f * B < end; ++f) {
       const int64_t t = M.feat_table[f];
       if (t < 0) continue;  // a feature of another row store
       const int64_t s0 = std::max(begin, f * B), s1 = std::min(end, (f + 1) * B);
-      const int64_t D = M.dims[t], rows = M.rows[t], bytes = Codec::width(D) * Codec::kElem;
+      const int64_t D = M.dims[t], bytes = Codec::width(D) * Codec::kElem;
       const uint8_t* table = base + M.w_off[t] * Codec::kElem;
-      const int64_t ahead = prefetch_distance(bytes), j_end = offsets[s1];
-      for (int64_t j = offsets[s0]; j < std::min(j_end, offsets[s0] + ahead); ++j) {
+      const BagScan<Idx> S{values, psw, M.rows[t], prefetch_distance(bytes), offsets[s1], f,
+                           check, bad};
+      for (int64_t j = offsets[s0]; j < std::min(S.j_end, offsets[s0] + S.ahead); ++j) {
         const int64_t id = static_cast<int64_t>(values[j]);
-        if (id >= 0 && id < rows) prefetch_row(table + id * bytes, bytes);
+        if (id >= 0 && id < S.rows) prefetch_row(table + id * bytes, bytes);
       }
+      const bool fast = std::is_same_v<Codec, F32> && D % 8 == 0;
       float* out_f = out + M.feat_cols[f];
       for (int64_t s = s0; s < s1; ++s) {
-        float* o = out_f + (s - f * B) * ld;
-        std::fill(o, o + D, 0.0f);
         const int64_t j0 = offsets[s], j1 = offsets[s + 1];
-        for (int64_t j = j0; j < j1; ++j) {
-          if (j + ahead < j_end) {
-            const int64_t next = static_cast<int64_t>(values[j + ahead]);
-            if (next >= 0 && next < rows) prefetch_row(table + next * bytes, bytes);
-          }
-          const int64_t id = static_cast<int64_t>(values[j]);
-          if (check && (id < 0 || id >= rows)) {
-#pragma omp critical
-            if (bad[0] < 0 || f < bad[0] || (f == bad[0] && id < bad[1])) { bad[0] = f; bad[1] = id; }
-            continue;
-          }
-          Codec::accum(table + id * bytes, D, psw ? psw[j] : 1.0f, o, tmp.data());
-        }
-        if (M.feat_mean[f] && j1 > j0) {
-          const float L = static_cast<float>(j1 - j0);
-          for (int64_t d = 0; d < D; ++d) o[d] = o[d] / L;
+        const float mean_L = M.feat_mean[f] && j1 > j0 ? static_cast<float>(j1 - j0) : 0.0f;
+        float* o = out_f + (s - f * B) * ld;
+        if (fast) {
+          sum_f32_bag(S, reinterpret_cast<const float*>(table), D, j0, j1, mean_L, o);
+        } else {
+          sum_bag<Codec>(S, table, D, bytes, j0, j1, mean_L, acc.data(), tmp.data(), o);
         }
       }
     }
@@ -411,6 +553,7 @@ at::Tensor tbe_forward(const at::Tensor& weights, const std::vector<at::Tensor>&
   }
   at::Tensor bad = at::full({2}, -1, at::kLong);
   int64_t* bad_p = bad.data_ptr<int64_t>();
+  advise_huge_pages(out.data_ptr(), out.numel() * sizeof(float));
   dispatch_codec(weights, precision, [&](auto codec) {
     using Codec = decltype(codec);
     AT_DISPATCH_INDEX_TYPES(values.scalar_type(), "tbe_forward", [&] {

@@ -92,10 +92,10 @@ inline void apply_rule(const BackwardArgs& A, int64_t t, int64_t row, int64_t D,
 
 // Buffers reused across calls (per calling thread): no allocation or page faults per step.
 struct Scratch {
-  std::vector<uint64_t> keys, tmp;
-  std::vector<int32_t> seg;
+  HugeArray<uint64_t> keys, tmp;  // read and written at random: huge pages when large
+  HugeArray<int32_t> seg;
   std::vector<int64_t> hist;
-  std::vector<float> grad;
+  HugeArray<float> grad;
 };
 inline Scratch& scratch() {
   thread_local Scratch s;
@@ -296,7 +296,7 @@ struct GradRows {
   std::vector<int64_t> goff;  // (F,) first element of each feature's block
   uint32_t B32 = 1;
 
-  GradRows(const BackwardArgs& args, int64_t n, std::vector<float>& buf) : A(&args) {
+  GradRows(const BackwardArgs& args, int64_t n, HugeArray<float>& buf) : A(&args) {
     const Meta& M = *A->M;
     const int64_t FB = M.F * A->B;
     B32 = static_cast<uint32_t>(A->B);
@@ -369,6 +369,8 @@ struct UpdateCtx {
   }
 };
 
+constexpr int64_t kGradAhead = 4;  // ids of a row whose gradients are prefetched ahead
+
 // Sum the gradients of the ids [*k, end of their row) into acc (w: the decoded row, for
 // the per-id weight gradient); advances *k past them.
 inline void sum_row_grads(const UpdateCtx& C, int64_t* k, int64_t k_end, int64_t D,
@@ -380,6 +382,10 @@ inline void sum_row_grads(const UpdateCtx& C, int64_t* k, int64_t k_end, int64_t
     const int64_t j = static_cast<int64_t>(C.keys[*k] & 0xFFFFFFFFULL);
     int64_t f;
     float L;
+    if (*k + kGradAhead < k_end && (C.keys[*k + kGradAhead] >> 32) == key)  // a long row
+      prefetch_row(reinterpret_cast<const uint8_t*>(
+                       C.grads->row(C.bag_of(C.keys[*k + kGradAhead]), &f, &L)),
+                   D * 4);
     const float* go = C.grads->row(C.bag_of(C.keys[*k]), &f, &L);
     if (A.psw != nullptr) {
       if (A.psw_grad != nullptr) {
@@ -430,9 +436,13 @@ void update_range(const UpdateCtx& C, int64_t k, int64_t k_end) {
     const int64_t bytes = Codec::width(M.dims[tp]) * Codec::kElem;
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(r + b, in_place ? 1 : 0);
     if (rowwise) __builtin_prefetch(A.state[0] + A.state_off[0][tp] + rp, 1);
-    for (; kc < k_end && (C.keys[kc] >> 32) == (key >> 32); ++kc)
-      prefetch_row(reinterpret_cast<const uint8_t*>(C.grads->row(C.bag_of(C.keys[kc]), &fp, &Lp)),
-                   M.dims[tp] * 4);
+    // The gradients of the row's first kGradAhead ids; sum_row_grads prefetches the rest
+    // of a long (hot) row as it goes, instead of thousands of rows here at once.
+    for (int64_t i = 0; kc < k_end && (C.keys[kc] >> 32) == (key >> 32); ++kc, ++i)
+      if (i < kGradAhead)
+        prefetch_row(
+            reinterpret_cast<const uint8_t*>(C.grads->row(C.bag_of(C.keys[kc]), &fp, &Lp)),
+            M.dims[tp] * 4);
   };
   for (int64_t i = 0; i < kBatch; ++i) {
     wp[i] = in_place ? nullptr : wbuf.data() + i * M.max_dim;
