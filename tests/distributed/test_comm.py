@@ -31,6 +31,9 @@ def test_collectives_move_and_sum_rows_and_their_gradients(world):
         # bytes sent to other ranks: 2 floats per row, (sum of send) - own rows.
         calls, sent = out["stats"]["a2a"]
         assert (calls, sent) == (1, (sum(q + 1 for q in range(world)) - (r + 1)) * 2 * 4)
+        # Bug caught: a finished collective kept its buffers in a cycle through C++ that
+        # Python's collector cannot break (every training step leaked its pooled rows).
+        assert out["alive_after_backward"] == []
 
 
 def test_a_failing_rank_fails_the_run_with_its_traceback():

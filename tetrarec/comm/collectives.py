@@ -356,6 +356,7 @@ class _AllToAllStart(torch.autograd.Function):
         p: _Pending = ctx.pending
         if p.grad_work is not None:
             p.comm._wait(p.grad_work, p.label + "/backward")
+            p.grad_work = None
         assert p.grad_in is not None
         grad, p.grad_in = p.grad_in, None
         return None, grad
@@ -368,6 +369,10 @@ class _AllToAllWait(torch.autograd.Function):
     def forward(ctx: Any, pending: _Pending, dummy: torch.Tensor) -> torch.Tensor:
         if pending.work is not None:
             pending.comm._wait(pending.work, pending.label)
+            # A finished work still holds its buffers, among them the output returned
+            # here, whose graph holds this context and so ``pending``: a cycle through C++
+            # that Python's collector cannot see (it leaked every step's buffers).
+            pending.work = None
         ctx.pending = pending
         assert pending.out is not None
         out, pending.out = pending.out, None

@@ -39,7 +39,26 @@ def collectives_worker(ctx: RankContext) -> dict[str, Any]:
     out["ar"] = comm.all_reduce(torch.tensor([float(r), 1.0]), label="ar").wait()
     out["json"] = comm.all_gather_json({"rank": r, "names": ["a", "b"][: r + 1]}, label="j")
     out["stats"] = {k: (v.calls, v.bytes_sent) for k, v in comm.stats.items()}
+    out["alive_after_backward"] = _alive_after_backward(ctx)
     return out
+
+
+def _alive_after_backward(ctx: RankContext) -> list[str]:
+    """Which tensors of an autograd all-to-all and reduce-scatter outlive their step (none
+    should: a finished collective that kept its buffers leaked them, one step at a time)."""
+    import gc
+    import weakref
+
+    comm, w = ctx.comm, ctx.world_size
+    refs: dict[str, weakref.ref[torch.Tensor]] = {}
+    x = torch.ones(2 * w, 4, requires_grad=True)
+    y = comm.all_to_all_v(x, send_splits=[2] * w, recv_splits=[2] * w, label="leak").wait()
+    s = comm.reduce_scatter_v(x * 1, splits=[2] * w, label="leak_rs").wait()
+    refs["a2a output"], refs["rs output"] = weakref.ref(y), weakref.ref(s)
+    (y.sum() + s.sum()).backward()
+    del x, y, s
+    gc.collect()
+    return [name for name, ref in refs.items() if ref() is not None]
 
 
 def raising_worker(ctx: RankContext) -> None:
