@@ -71,6 +71,7 @@ class Config:
     seed: int = 0
     smoke: bool = False
     cores: int = 2
+    profile: str | None = None
 
     def mlp(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         if self.smoke:
@@ -273,7 +274,23 @@ def rank_worker(ctx: Any, cfg: Config, kind: str, with_torchrec: bool) -> dict[s
     timed = cfg.rounds * cfg.steps
     sent = {k: v.bytes_sent / timed for k, v in ctx.comm.stats.items()}
     sent.update({k: v.bytes_sent / timed for k, v in ctx.dense_comm.stats.items()})
+    if cfg.profile:
+        _profile(steps, cfg, ctx.rank)
     return {"times": times, "bytes": sent, "kernels": kernel_summary()}
+
+
+def _profile(steps: dict[str, Any], cfg: Config, rank: int) -> None:
+    """torch.profiler over ``cfg.steps`` more steps of each implementation (after the timed
+    rounds, so they are not slowed), written per rank as ``<dir>/rank<r>-<impl>.txt``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = Path(cfg.profile or ".")
+    out.mkdir(parents=True, exist_ok=True)
+    for name, step in steps.items():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _timed(step, cfg.steps)
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45)
+        (out / f"rank{rank}-{name}.txt").write_text(f"{cfg.steps} steps\n{table}\n")
 
 
 @dataclass(frozen=True)
@@ -328,6 +345,7 @@ def run_point(cfg: Config, kind: str, world: int, with_torchrec: bool) -> list[d
                 "samples_per_s": cfg.batch / med,
                 "step_ms_median": med * 1e3,
                 "step_ms_min": min(seconds) * 1e3,
+                "step_ms": [round(x * 1e3, 3) for x in seconds],
                 "bytes_per_step": sum(by_label.values()) if impl == "tetrarec" else None,
                 "bytes_per_collective": by_label if impl == "tetrarec" else None,
                 "kernels": kernels["kernels"] if impl == "tetrarec" else "fbgemm",
@@ -359,6 +377,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also time TorchRec's DMP table-wise at world size 2")  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="tiny sizes, for the smoke test")
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after timing, write each rank's profiles to DIR")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -376,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         warmup=args.warmup if not args.smoke else 1,
         smoke=args.smoke,
         cores=args.cores,
+        profile=args.profile,
     )
     types = args.types or ("table_wise,mixed" if args.smoke else ",".join(TYPES))
     kinds = [t.strip() for t in types.split(",") if t.strip()]

@@ -34,7 +34,7 @@ __all__ = ["build_key", "build_strict", "compiled_cpu_kernels", "kernel_mode", "
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("tbe_cpu", "interaction_cpu", "bf16_cpu")
+_SOURCES = ("tbe_cpu", "interaction_cpu", "bf16_cpu", "copy_cpu")
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 _LDFLAGS = ("-fopenmp",)
 _LOCK = threading.Lock()

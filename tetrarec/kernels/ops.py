@@ -4,10 +4,10 @@ Each op is defined once with ``torch.library.custom_op``; its default implementa
 the portable one in ``reference.py`` (any device), and the CPU kernel is the compiled
 one from ``csrc/`` when it builds (see ``_build.py``). Callers never branch on device.
 
-The ops: ``tbe_forward`` and ``tbe_backward_update`` (table-batched embedding), and two
+The ops: ``tbe_forward`` and ``tbe_backward_update`` (table-batched embedding), two
 of the dense path, ``dot_interaction`` (differentiable) and ``round_to_bf16_out`` (the
-BF16 emulation's rounding); the dense ones use the compiled kernel for contiguous FP32
-tensors only.
+BF16 emulation's rounding), which use the compiled kernel for contiguous FP32 tensors
+only, and ``copy_row_runs`` (how sharded collections move column blocks; any dtype).
 
 Arguments shared by the two table-batched ops, for one row store (the tables of one
 precision)::
@@ -39,7 +39,13 @@ import torch
 from tetrarec.kernels import reference
 from tetrarec.kernels._build import compiled_cpu_kernels
 
-__all__ = ["dot_interaction", "round_to_bf16_out", "tbe_backward_update", "tbe_forward"]
+__all__ = [
+    "copy_row_runs",
+    "dot_interaction",
+    "round_to_bf16_out",
+    "tbe_backward_update",
+    "tbe_forward",
+]
 
 
 @torch.library.custom_op("tetrarec::tbe_forward", mutates_args=("out",))
@@ -286,4 +292,45 @@ def _round_to_bf16_out_cpu(x: torch.Tensor, out: torch.Tensor) -> None:
 
 @round_to_bf16_out.register_fake
 def _round_to_bf16_out_fake(x: torch.Tensor, out: torch.Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("tetrarec::copy_row_runs", mutates_args=("dst",))
+def copy_row_runs(src: torch.Tensor, dst: torch.Tensor, runs: torch.Tensor, rows: int) -> None:
+    """Copy column runs row by row between flat row-major buffers of one dtype.
+
+    For every row ``b < rows`` and run ``(src_offset, src_row_stride, dst_offset,
+    dst_row_stride, length)`` of ``runs`` ((R, 5) int64, on the CPU, in elements)::
+
+        dst[dst_offset + b * dst_row_stride :][:length] =
+            src[src_offset + b * src_row_stride :][:length]
+
+    Example (two rows; the 2-column run of a (2, 3) block goes to columns 1-2 of a
+    (2, 4) output): ``runs = [[1, 3, 1, 4, 2]]`` copies ``src[1:3] -> dst[1:3]`` and
+    ``src[4:6] -> dst[5:7]``.
+    """
+    _copy_row_runs_portable(src, dst, runs, rows)
+
+
+def _copy_row_runs_portable(
+    src: torch.Tensor, dst: torch.Tensor, runs: torch.Tensor, rows: int
+) -> None:
+    for so, ss, do, ds, n in runs.tolist():
+        if n and rows:
+            dst.as_strided((rows, n), (ds, 1), do).copy_(src.as_strided((rows, n), (ss, 1), so))
+
+
+@copy_row_runs.register_kernel("cpu")
+def _copy_row_runs_cpu(src: torch.Tensor, dst: torch.Tensor, runs: torch.Tensor, rows: int) -> None:
+    ext = compiled_cpu_kernels() if src.is_contiguous() and dst.is_contiguous() else None
+    if ext is None:
+        _copy_row_runs_portable(src, dst, runs, rows)
+    else:
+        ext.copy_row_runs(src, dst, runs, rows)
+
+
+@copy_row_runs.register_fake
+def _copy_row_runs_fake(
+    src: torch.Tensor, dst: torch.Tensor, runs: torch.Tensor, rows: int
+) -> None:
     return None

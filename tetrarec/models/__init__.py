@@ -2,7 +2,14 @@
 
 from tetrarec.models.config import DLRMConfig, InteractionImpl, ModelArch
 from tetrarec.models.dcn import DCNInteraction, LowRankCrossNet
-from tetrarec.models.dlrm import DLRM, INTERACTIONS, EmbeddingModule, build_model
+from tetrarec.models.dlrm import (
+    DLRM,
+    INTERACTIONS,
+    EmbeddingModule,
+    PendingPooling,
+    StartsPooling,
+    build_model,
+)
 from tetrarec.models.interaction import DotInteraction, Interaction, dot_interaction_reference
 from tetrarec.models.mlp import MLP
 
@@ -18,6 +25,8 @@ __all__ = [
     "InteractionImpl",
     "LowRankCrossNet",
     "ModelArch",
+    "PendingPooling",
+    "StartsPooling",
     "build_model",
     "dot_interaction_reference",
 ]

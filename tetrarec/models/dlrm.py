@@ -49,7 +49,14 @@ from tetrarec.models.precision import BF16Matmul, dense_precision_context, has_n
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures
 from tetrarec.types import Precision
 
-__all__ = ["DLRM", "INTERACTIONS", "EmbeddingModule", "build_model"]
+__all__ = [
+    "DLRM",
+    "INTERACTIONS",
+    "EmbeddingModule",
+    "PendingPooling",
+    "StartsPooling",
+    "build_model",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +71,35 @@ class EmbeddingModule(Protocol):
     def __call__(self, features: SparseFeatures) -> PooledEmbeddings:
         """Pool every feature of ``features``."""
         ...
+
+
+class PendingPooling(Protocol):
+    """Pooled embeddings that may still be in flight."""
+
+    def wait(self) -> PooledEmbeddings:
+        """The pooled embeddings, once they are there."""
+        ...
+
+
+@runtime_checkable
+class StartsPooling(Protocol):
+    """An embedding module that can pool in two steps (optional, beside ``__call__``).
+
+    ``start`` returns at once with the result in flight, and the model runs its bottom
+    MLP before it waits (a sharded collection's rows travel meanwhile).
+    """
+
+    def start(self, features: SparseFeatures) -> PendingPooling:
+        """Start pooling every feature of ``features``."""
+        ...
+
+
+class _Pooled:
+    def __init__(self, pooled: PooledEmbeddings) -> None:
+        self.pooled = pooled
+
+    def wait(self) -> PooledEmbeddings:
+        return self.pooled
 
 
 InteractionBuilder = Callable[[DLRMConfig, int, int, torch.Generator | None], Interaction]
@@ -169,10 +205,14 @@ class DLRM(nn.Module):
         Returns:
             ``(B,)`` FP32 logits.
         """
+        with record_function("tetrarec/embeddings"):
+            if isinstance(self.embeddings, StartsPooling):  # e.g. sharded: rows in flight
+                pending: PendingPooling = self.embeddings.start(sparse)
+            else:
+                pending = _Pooled(self.embeddings(sparse))
         with record_function("tetrarec/dense_arch"), self._autocast(dense):
             x = self.dense_arch(dense)  # (B, D)
-        with record_function("tetrarec/embeddings"):
-            pooled = self.embeddings(sparse)  # values (B, F*D), FP32
+        pooled = pending.wait()  # values (B, F*D), FP32
         with record_function("tetrarec/interaction"), self._autocast(dense):
             z = self.inter_arch(x, pooled.values)  # (B, out_features)
         with record_function("tetrarec/over_arch"), self._autocast(dense):

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from tetrarec.comm import Communicator, Handle
+from tetrarec.kernels import ops
 from tetrarec.sparse import SparseFeatures
 
 __all__ = [
@@ -250,12 +251,28 @@ def place_columns(
     """``(batch, total)`` from ``(batch, width)`` blocks laid one after another in ``flat``.
 
     Every output column comes from exactly one block column (a permutation), copied in
-    runs of adjacent columns by one concatenation. Differentiable: backward gathers the
-    same runs back into a flat gradient, one concatenation per block (no zero-filled
-    scatter, no per-block split).
+    runs of adjacent columns, row by row (``tetrarec::copy_row_runs``). Differentiable:
+    backward copies the same runs back into a flat gradient (no zero-filled scatter, no
+    per-block split).
     """
     out: torch.Tensor = _PlaceColumns.apply(flat, batch, tuple(blocks), total)  # type: ignore[no-untyped-call]  # torch leaves apply unannotated
     return out
+
+
+def _runs(
+    batch: int, blocks: tuple[BlockColumns, ...], total: int, to_output: bool
+) -> torch.Tensor:
+    """``copy_row_runs`` table between the flat blocks and the ``(batch, total)`` output."""
+    rows: list[list[int]] = []
+    offset = 0
+    for blk in blocks:
+        for s, d, n in blk.runs:
+            if to_output:
+                rows.append([offset + s, blk.width, d, total, n])
+            else:
+                rows.append([d, total, offset + s, blk.width, n])
+        offset += batch * blk.width
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 5)
 
 
 class _PlaceColumns(torch.autograd.Function):
@@ -263,27 +280,14 @@ class _PlaceColumns(torch.autograd.Function):
     def forward(
         ctx: Any, flat: torch.Tensor, batch: int, blocks: tuple[BlockColumns, ...], total: int
     ) -> torch.Tensor:
-        ctx.batch, ctx.blocks = batch, blocks
-        pieces: list[tuple[int, torch.Tensor]] = []  # (output column, (B, n) view)
-        offset = 0
-        for blk in blocks:
-            src = flat[offset : offset + batch * blk.width].view(batch, blk.width)
-            pieces.extend((d, src[:, s : s + n]) for s, d, n in blk.runs)
-            offset += batch * blk.width
-        pieces.sort(key=lambda p: p[0])
+        ctx.batch, ctx.blocks, ctx.total = batch, blocks, total
         out = flat.new_empty(batch, total)
-        if pieces:
-            torch.cat([p for _, p in pieces], dim=1, out=out)
+        ops.copy_row_runs(flat.contiguous(), out, _runs(batch, blocks, total, True), batch)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        batch, blocks = ctx.batch, ctx.blocks
+        batch, blocks, total = ctx.batch, ctx.blocks, ctx.total
         flat = grad.new_empty(sum(batch * b.width for b in blocks))
-        offset = 0
-        for blk in blocks:
-            if blk.width:
-                dst = flat[offset : offset + batch * blk.width].view(batch, blk.width)
-                torch.cat([grad[:, d : d + n] for _, d, n in blk.runs], dim=1, out=dst)
-            offset += batch * blk.width
+        ops.copy_row_runs(grad.contiguous(), flat, _runs(batch, blocks, total, False), batch)
         return flat, None, None, None

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from tetrarec.comm import Handle
 from tetrarec.embedding import TableConfig, feature_order
 from tetrarec.kernels import FusedEmbeddingBagCollection, FusedOptimizer
 from tetrarec.sharding.env import ShardingEnv
@@ -98,6 +99,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:
         """Pool this rank's samples (see the module docstring for the stages)."""
+        return self.start(features).wait()
+
+    def start(self, features: SparseFeatures) -> Handle[PooledEmbeddings]:
+        """Run the input dists and lookups, start the output dists; wait for the result.
+
+        A model that has other work (its bottom MLP) runs it between ``start`` and
+        ``wait()``, while the pooled rows travel. Backward then overlaps the same way:
+        the gradients' all-to-all starts before that work's backward and is waited after
+        it (autograd runs the later-created nodes first).
+        """
         if features.keys != self.feature_names:
             features = permute_keys(features, self.feature_names)
         groups = self._groups()
@@ -107,14 +118,19 @@ class ShardedEmbeddingBagCollection(nn.Module):
             pooled = [g.lookup(r.wait()) for g, r in zip(groups, routed)]
         with record_function("tetrarec/output_dist"):
             outs = [g.output_dist(p, r.wait()) for g, p, r in zip(groups, pooled, routed)]
-            parts = [o.wait() for o in outs]  # (B, D_g) each
-        if self._identity:
-            values = parts[0]
-        else:
-            flat = torch.cat([p.reshape(-1) for p in parts])
-            batch = features.batch_size
-            values = place_columns(flat, batch, self._placement, sum(self.feature_dims))
-        return PooledEmbeddings(self.feature_names, self.feature_dims, values)
+        batch = features.batch_size
+
+        def finish() -> PooledEmbeddings:
+            with record_function("tetrarec/output_dist_wait"):
+                parts = [o.wait() for o in outs]  # (B, D_g) each
+                if self._identity:
+                    values = parts[0]
+                else:
+                    flat = torch.cat([p.reshape(-1) for p in parts])
+                    values = place_columns(flat, batch, self._placement, sum(self.feature_dims))
+            return PooledEmbeddings(self.feature_names, self.feature_dims, values)
+
+        return Handle(finish)
 
     # -- what the rank holds --------------------------------------------------------------
 

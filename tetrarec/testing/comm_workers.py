@@ -44,8 +44,10 @@ def collectives_worker(ctx: RankContext) -> dict[str, Any]:
 
 
 def _alive_after_backward(ctx: RankContext) -> list[str]:
-    """Which tensors of an autograd all-to-all and reduce-scatter outlive their step (none
-    should: a finished collective that kept its buffers leaked them, one step at a time)."""
+    """Which tensors of an autograd all-to-all and reduce-scatter outlive their step.
+
+    None should: a finished collective that kept its buffers leaked them, one step at a time).
+    """
     import gc
     import weakref
 
@@ -55,7 +57,7 @@ def _alive_after_backward(ctx: RankContext) -> list[str]:
     y = comm.all_to_all_v(x, send_splits=[2] * w, recv_splits=[2] * w, label="leak").wait()
     s = comm.reduce_scatter_v(x * 1, splits=[2] * w, label="leak_rs").wait()
     refs["a2a output"], refs["rs output"] = weakref.ref(y), weakref.ref(s)
-    (y.sum() + s.sum()).backward()
+    torch.autograd.backward(y.sum() + s.sum())
     del x, y, s
     gc.collect()
     return [name for name, ref in refs.items() if ref() is not None]

@@ -222,9 +222,14 @@ def test_module_protocol():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_runs_the_portable_path_and_matches_cpu():
-    cpu = FusedEmbeddingBagCollection(MIXED, ADAM, seed=0, stochastic_rounding=False)
-    gpu = FusedEmbeddingBagCollection(MIXED, ADAM, seed=0, stochastic_rounding=False, device="cuda")
+@pytest.mark.parametrize("rounding", [False, True], ids=["nearest", "stochastic"])
+def test_cuda_runs_the_portable_path_and_matches_cpu(rounding):
+    """Bug caught: the portable path (or its stochastic-rounding noise, drawn on the host)
+    breaks or diverges for CUDA tensors."""
+    cpu = FusedEmbeddingBagCollection(MIXED, ADAM, seed=0, stochastic_rounding=rounding)
+    gpu = FusedEmbeddingBagCollection(
+        MIXED, ADAM, seed=0, stochastic_rounding=rounding, device="cuda"
+    )
     for s in range(2):
         sf = random_features(s, tables=MIXED)
         out_cpu = cpu(sf).values
@@ -234,7 +239,13 @@ def test_cuda_runs_the_portable_path_and_matches_cpu():
         out_cpu.backward(grad)
         out_gpu.backward(grad.cuda())
     for name, w in cpu.table_weights().items():
-        torch.testing.assert_close(gpu.table_weights()[name].cpu(), w, rtol=1e-3, atol=1e-2)
+        got = gpu.table_weights()[name].cpu()
+        if rounding:
+            # The same noise on both devices: a value that lands within float error of a
+            # rounding boundary may round the other way, nothing more.
+            assert ((got - w).abs() > 1e-2).float().mean() < 0.02, name
+        else:
+            torch.testing.assert_close(got, w, rtol=1e-3, atol=1e-2)
 
 
 def test_failed_build_falls_back_once_with_a_warning(monkeypatch, tmp_path, caplog):

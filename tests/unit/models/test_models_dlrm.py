@@ -249,3 +249,39 @@ def test_models_interaction_rejects_non_positive_sizes(arch: str, features: int,
 
     with pytest.raises(ValueError, match="need num_features > 0 and dim > 0"):
         build()
+
+
+class _TwoStepEmbeddings(EmbeddingBagCollection):
+    """The reference collection with ``start``: records when pooling starts and is waited."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__(_tables(), seed=0)
+        self.log = log
+
+    def start(self, features: SparseFeatures) -> _Waitable:
+        self.log.append("start")
+        return _Waitable(self(features), self.log)
+
+
+class _Waitable:
+    def __init__(self, pooled: object, log: list[str]) -> None:
+        self.pooled, self.log = pooled, log
+
+    def wait(self) -> object:
+        self.log.append("wait")
+        return self.pooled
+
+
+@pytest.mark.parametrize("arch", ["dlrm", "dcn"])
+def test_models_start_pooling_before_the_bottom_mlp_and_wait_after_it(arch: str) -> None:
+    """Bugs caught: the model waits for the pooled rows before its bottom MLP runs (a
+    sharded collection's all-to-all then overlaps nothing), or it ignores ``start``; the
+    two-step path must give the same logits as the one-call path."""
+    log: list[str] = []
+    model = build_model(_config(arch), _TwoStepEmbeddings(log))
+    model.dense_arch.register_forward_hook(lambda *_: log.append("bottom mlp"))
+    gen = torch.Generator().manual_seed(0)
+    dense, sparse = torch.randn(B, 5, generator=gen), _features(gen)
+    logits = model(dense, sparse)
+    assert log == ["start", "bottom mlp", "wait"]
+    assert torch.equal(logits, _model(arch)(dense, sparse))

@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include "bf16_cpu.h"
+#include "copy_cpu.h"
 #include "interaction_cpu.h"
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -670,4 +671,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "DLRM dot interaction backward (CPU)");
   m.def("round_to_bf16_out", &tetrarec::round_to_bf16_out,
         "FP32 rounded to the nearest BF16 value, in FP32 (CPU)");
+  m.def("copy_row_runs", &tetrarec::copy_row_runs,
+        "row-wise copies of column runs between flat row-major buffers (CPU)");
 }
