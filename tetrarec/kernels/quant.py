@@ -75,6 +75,19 @@ def stochastic_round(
 ) -> torch.Tensor:
     """Round FP32 ``x`` to ``dtype`` (float16 or bfloat16), unbiased.
 
+    Bit for bit the compiled kernel's rule, from 16 random bits ``r = floor(65536 u)`` per
+    element (``u`` a uniform draw):
+
+    - BF16: add ``r`` below BF16's last mantissa bit of FP32 ``x``, then truncate;
+    - FP16, ``|x| >= 2^-14``: add ``r``'s low 13 bits below FP16's last mantissa bit, then
+      truncate (saturating at +-65504 instead of overflowing);
+    - FP16 subnormal range (spacing ``2^-24``): ``floor(|x| 2^24 + (r + 1/2) / 65536)
+      2^-24`` with ``x``'s sign;
+    - infinities and NaN stay as they are.
+
+    Each rounds up (in magnitude) with probability equal to the distance from the lower
+    neighbour over the gap, so the expected result is ``x``.
+
     Args:
         x: FP32 values.
         dtype: ``torch.float16`` or ``torch.bfloat16``.
@@ -84,22 +97,34 @@ def stochastic_round(
 
     Returns:
         A tensor of ``dtype`` shaped like ``x``; each value is one of the two ``dtype``
-        neighbours of ``x``, chosen with probability proportional to its closeness.
+        neighbours of ``x``.
 
     Raises:
         ValueError: for another dtype.
     """
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"stochastic_round targets float16 or bfloat16, got {dtype}")
-    x = x.float()
-    near = x.to(dtype)  # round to nearest
-    diff = x - near.float()
-    toward = torch.where(diff >= 0, torch.inf, -torch.inf).to(dtype)
-    other = torch.nextafter(near, toward)
-    gap = (other.float() - near.float()).abs()
-    p_other = torch.where(gap > 0, diff.abs() / gap, torch.zeros_like(gap))
-    u = _uniform(x, generator, noise)
-    return torch.where(u < p_other, other, near)
+    x = x.float().contiguous()
+    r = (_uniform(x, generator, noise) * 65536).floor().clamp_(0, 65535).long()
+    bits = x.view(torch.int32).long() & 0xFFFFFFFF
+    finite = torch.isfinite(x)
+    if dtype is torch.bfloat16:
+        high = ((bits + r) >> 16) & 0xFFFF
+        rounded = _as_dtype(high, 16, torch.int16).view(torch.bfloat16)
+        return torch.where(finite, rounded, x.to(torch.bfloat16))
+    t = _as_dtype((bits + (r & 0x1FFF)) & 0xFFFFE000, 32, torch.int32).view(torch.float32)
+    t = torch.where(t.abs() > 65504.0, torch.full_like(t, 65504.0).copysign(x), t)
+    a = x.abs()
+    u = (r.float() + 0.5) * (1.0 / 65536.0)
+    sub = torch.floor(a * 16777216.0 + u).mul(5.9604644775390625e-08).copysign(x)
+    out = torch.where(finite, torch.where(a < 6.103515625e-05, sub, t), x)
+    return out.to(torch.float16)  # exact: every finite value above is an FP16 value
+
+
+def _as_dtype(unsigned: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """Unsigned ``bits``-bit values (int64) as the signed integer dtype of that width."""
+    half = 1 << (bits - 1)
+    return torch.where(unsigned >= half, unsigned - (1 << bits), unsigned).to(dtype)
 
 
 def quantize_rows(

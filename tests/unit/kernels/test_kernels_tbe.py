@@ -234,18 +234,27 @@ def test_cuda_runs_the_portable_path_and_matches_cpu(rounding):
         sf = random_features(s, tables=MIXED)
         out_cpu = cpu(sf).values
         out_gpu = gpu(sf.to("cuda")).values
-        torch.testing.assert_close(out_gpu.cpu(), out_cpu, rtol=1e-5, atol=1e-5)
+        _assert_close_but_for_rounding_flips(
+            out_gpu.cpu(), out_cpu, rounding, "output", (1e-5, 1e-5)
+        )
         grad = torch.randn(out_cpu.shape, generator=torch.Generator().manual_seed(s))
         out_cpu.backward(grad)
         out_gpu.backward(grad.cuda())
     for name, w in cpu.table_weights().items():
-        got = gpu.table_weights()[name].cpu()
-        if rounding:
-            # The same noise on both devices: a value that lands within float error of a
-            # rounding boundary may round the other way, nothing more.
-            assert ((got - w).abs() > 1e-2).float().mean() < 0.02, name
-        else:
-            torch.testing.assert_close(got, w, rtol=1e-3, atol=1e-2)
+        _assert_close_but_for_rounding_flips(
+            gpu.table_weights()[name].cpu(), w, rounding, name, (1e-3, 1e-2)
+        )
+
+
+def _assert_close_but_for_rounding_flips(got, want, rounding, what, rtol_atol):
+    """Close; with stochastic rounding, the same random bits on both devices (the rule is
+    bit for bit the same) but optimizer arithmetic that differs in the last FP32 bit, so a
+    value within float error of a rounding boundary may round the other way: a few."""
+    if rounding:
+        flips = ((got - want).abs() > 1e-5).float().mean()
+        assert flips < 0.02, f"{what}: {flips:.1%} of the values differ"
+    else:
+        torch.testing.assert_close(got, want, rtol=rtol_atol[0], atol=rtol_atol[1])
 
 
 def test_failed_build_falls_back_once_with_a_warning(monkeypatch, tmp_path, caplog):

@@ -43,9 +43,6 @@ inline uint64_t mix64(uint64_t z) {
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
   return z ^ (z >> 31);
 }
-inline float uniform01(uint64_t key, int64_t d) {
-  return (mix64(key ^ (static_cast<uint64_t>(d) * 0xD1B54A32D192ED03ULL)) >> 40) * (1.0f / 16777216.0f);
-}
 
 // 16 random bits per element of a row: a 32-bit counter-based hash of (row key, global
 // column col0 + d), written so that the compiler vectorizes it (8 lanes with AVX2).
@@ -91,31 +88,21 @@ inline void half_to_float(const uint16_t* src, float* dst, int64_t n) {
 inline uint16_t half_bits(float x) { return c10::Half(x).x; }
 inline float half_value(uint16_t b) { return static_cast<float>(c10::Half(b, c10::Half::from_bits())); }
 inline uint16_t bf16_bits(float x) { return c10::BFloat16(x).x; }
-inline float bf16_value(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
-// Round x to a 16-bit float format: nearest, or one of the two neighbours with
-// probability proportional to closeness (unbiased). `to_bits`/`value` define the format.
-template <uint16_t (*ToBits)(float), float (*Value)(uint16_t)>
-inline uint16_t round16(float x, bool stochastic, float u) {
-  uint16_t near = ToBits(x);
-  if (!stochastic) return near;
-  float nv = Value(near);
-  float diff = x - nv;
-  if (diff == 0.0f || !std::isfinite(nv)) return near;
-  uint16_t other;
-  if (nv == 0.0f) {
-    other = diff > 0 ? 0x0001 : 0x8001;
-  } else {
-    bool away = (diff > 0) == (nv > 0);  // neighbour of larger magnitude
-    other = away ? near + 1 : near - 1;
+// FP16 stochastic rounding from 16 random bits r, as the F16C path of F16::store computes
+// it (and reference.py's stochastic_round): add r's low 13 bits below FP16's last mantissa
+// bit and truncate, saturating at +-65504; below 2^-14 (FP16's subnormals, spacing 2^-24)
+// floor(|x| 2^24 + (r + 1/2) / 2^16) 2^-24. Non-finite values stay as they are.
+inline uint16_t half_stochastic(float x, uint16_t r) {
+  if (!std::isfinite(x)) return half_bits(x);
+  const float a = std::fabs(x);
+  if (a < 6.103515625e-05f) {
+    const float u = (static_cast<float>(r) + 0.5f) * (1.0f / 65536.0f);
+    return half_bits(std::copysign(std::floor(a * 16777216.0f + u) * 5.9604644775390625e-08f, x));
   }
-  float gap = std::fabs(Value(other) - nv);
-  return (gap > 0 && u * gap < std::fabs(diff)) ? other : near;
+  float t = float_of((bits_of(x) + (r & 0x1FFFu)) & 0xFFFFE000u);
+  if (std::fabs(t) > 65504.0f) t = std::copysign(65504.0f, x);
+  return half_bits(t);  // exact: t is an FP16 value
 }
 
 // ---- row codecs: decode a row to FP32 (or accumulate it) and encode it back ----
@@ -166,7 +153,7 @@ struct F16 {
           const float u = (static_cast<float>(rnd[d + k]) + 0.5f) * (1.0f / 65536.0f);
           const float sub = std::copysign(std::floor(a * 16777216.0f + u) * 5.9604644775390625e-08f, x);
           const float nrm = float_of(bits_of(x) + (rnd[d + k] & 0x1FFFu));
-          noisy[k] = a < 6.103515625e-05f ? sub : nrm;
+          noisy[k] = !std::isfinite(x) ? x : a < 6.103515625e-05f ? sub : nrm;
         }
         const __m128i h = _mm256_cvtps_ph(_mm256_load_ps(noisy), _MM_FROUND_TO_ZERO);
         if (n == 8) {
@@ -179,8 +166,9 @@ struct F16 {
       }
     }
 #endif
-    for (; d < D; ++d)
-      p[d] = round16<half_bits, half_value>(src[d], sr, sr ? uniform01(key, col0 + d) : 0.f);
+    // Without F16C: the same rule, one element at a time (the same bits).
+    const uint16_t* rnd = sr && d < D ? random16(key, D, col0) : nullptr;
+    for (; d < D; ++d) p[d] = sr ? half_stochastic(src[d], rnd[d]) : half_bits(src[d]);
   }
 };
 
