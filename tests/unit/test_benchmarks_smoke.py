@@ -164,3 +164,23 @@ def test_data_bench_says_when_the_criteo_sample_was_missing(tmp_path: Path) -> N
     assert payload["config"]["criteo_sample_path"] == str(missing)
     assert "SYNTHETIC" in stdout
     assert "not found" in stderr
+
+
+@pytest.mark.timeout(300)
+def test_sharding_bench_profiles_each_rank_and_counts_bytes_per_timed_step(tmp_path: Path) -> None:
+    """Fails if ``--profile`` writes no per-rank table, or if the profiled steps are
+    counted in the bytes per step (they run after the timed rounds)."""
+    prof = tmp_path / "prof"
+    payload, _, _ = _run(
+        "bench_sharding.py", tmp_path, "--types", "table_wise", "--profile", str(prof)
+    )
+    tables = sorted(p.name for p in prof.iterdir())
+    assert tables == ["rank0-tetrarec.txt", "rank1-tetrarec.txt"], tables
+    assert "tetrarec/input_dist" in (prof / "rank0-tetrarec.txt").read_text()
+    plain, _, _ = _run("bench_sharding.py", tmp_path, "--types", "table_wise")
+    sharded = [r for r in payload["results"] if r["world_size"] == 2]
+    assert (
+        sharded[0]["bytes_per_step"]
+        == next(r for r in plain["results"] if r["world_size"] == 2)["bytes_per_step"]
+    )
+    assert len(sharded[0]["step_ms"]) == payload["config"]["rounds"] * payload["config"]["steps"]
