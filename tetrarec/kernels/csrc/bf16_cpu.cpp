@@ -3,6 +3,7 @@
 // For the BF16 emulation of the dense path (tetrarec/models/precision.py): the same
 // result as x.to(bfloat16).to(float32), without the BF16 temporary and its second pass,
 // and in place when out is x. NaN stays NaN (quieted), infinities stay infinite.
+#include "check.h"
 #include "bf16_cpu.h"
 
 #include <ATen/Parallel.h>
@@ -13,9 +14,9 @@
 namespace tetrarec {
 
 void round_to_bf16_out(const at::Tensor& x, at::Tensor& out) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+  TETRAREC_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "round_to_bf16 (CPU kernel): FP32 tensors");
-  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && x.numel() == out.numel(),
+  TETRAREC_CHECK(x.is_contiguous() && out.is_contiguous() && x.numel() == out.numel(),
               "round_to_bf16 (CPU kernel): contiguous tensors of one size");
   const uint32_t* src = reinterpret_cast<const uint32_t*>(x.data_ptr<float>());
   uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<float>());

@@ -4,6 +4,7 @@
 // torch.cat over column slices, or a strided copy_, moves a (1024, 64) FP32 run at about a
 // third of memcpy's speed; here each row of each run is one memcpy, rows outermost so the
 // destination row is written in order while it is in cache.
+#include "check.h"
 #include "copy_cpu.h"
 
 #include <ATen/Parallel.h>
@@ -15,9 +16,9 @@
 namespace tetrarec {
 
 void copy_row_runs(const at::Tensor& src, at::Tensor& dst, const at::Tensor& runs, int64_t rows) {
-  TORCH_CHECK(src.is_contiguous() && dst.is_contiguous(), "copy_row_runs: contiguous buffers");
-  TORCH_CHECK(src.scalar_type() == dst.scalar_type(), "copy_row_runs: one dtype");
-  TORCH_CHECK(runs.scalar_type() == at::kLong && runs.dim() == 2 && runs.size(1) == 5 &&
+  TETRAREC_CHECK(src.is_contiguous() && dst.is_contiguous(), "copy_row_runs: contiguous buffers");
+  TETRAREC_CHECK(src.scalar_type() == dst.scalar_type(), "copy_row_runs: one dtype");
+  TETRAREC_CHECK(runs.scalar_type() == at::kLong && runs.dim() == 2 && runs.size(1) == 5 &&
                   runs.is_contiguous() && runs.device().is_cpu(),
               "copy_row_runs: runs is a contiguous (R, 5) int64 CPU tensor");
   const int64_t R = runs.size(0), elem = static_cast<int64_t>(src.element_size());
@@ -27,9 +28,9 @@ void copy_row_runs(const at::Tensor& src, at::Tensor& dst, const at::Tensor& run
     const int64_t* p = run + 5 * r;
     const int64_t n = p[4];
     if (n == 0 || rows == 0) continue;
-    TORCH_CHECK(n > 0 && p[0] >= 0 && p[1] >= 0 && p[2] >= 0 && p[3] >= 0,
+    TETRAREC_CHECK(n > 0 && p[0] >= 0 && p[1] >= 0 && p[2] >= 0 && p[3] >= 0,
                 "copy_row_runs: negative offset, stride or length in run ", r);
-    TORCH_CHECK(p[0] + (rows - 1) * p[1] + n <= src_n && p[2] + (rows - 1) * p[3] + n <= dst_n,
+    TETRAREC_CHECK(p[0] + (rows - 1) * p[1] + n <= src_n && p[2] + (rows - 1) * p[3] + n <= dst_n,
                 "copy_row_runs: run ", r, " reaches past its buffer");
   }
   const char* s = static_cast<const char*>(src.data_ptr());

@@ -12,6 +12,7 @@
 // stacked (B, n, D) tensor. Every sum runs in a fixed order inside one sample, one fused
 // multiply-add per term (AVX2 + FMA, or std::fma elsewhere: the same results), so the
 // results are bitwise the same for any thread count.
+#include "check.h"
 #include "interaction_cpu.h"
 
 #include <ATen/Parallel.h>
@@ -99,14 +100,14 @@ inline void combine_any(int nv, const float* s, const float* rows, int64_t ld, i
 }
 
 void check_inputs(const at::Tensor& dense, const at::Tensor& embeddings) {
-  TORCH_CHECK(dense.dim() == 2 && embeddings.dim() == 2,
+  TETRAREC_CHECK(dense.dim() == 2 && embeddings.dim() == 2,
               "dot_interaction: dense and embeddings must be 2-D, got ", dense.dim(), "-D and ",
               embeddings.dim(), "-D");
-  TORCH_CHECK(dense.scalar_type() == at::kFloat && embeddings.scalar_type() == at::kFloat,
+  TETRAREC_CHECK(dense.scalar_type() == at::kFloat && embeddings.scalar_type() == at::kFloat,
               "dot_interaction (CPU kernel): FP32 inputs");
-  TORCH_CHECK(dense.is_contiguous() && embeddings.is_contiguous(),
+  TETRAREC_CHECK(dense.is_contiguous() && embeddings.is_contiguous(),
               "dot_interaction (CPU kernel): contiguous inputs");
-  TORCH_CHECK(dense.size(0) == embeddings.size(0) && dense.size(1) > 0 &&
+  TETRAREC_CHECK(dense.size(0) == embeddings.size(0) && dense.size(1) > 0 &&
                   embeddings.size(1) % dense.size(1) == 0,
               "dot_interaction: embeddings must be (B, F*D) for dense (B, D)");
 }
@@ -170,7 +171,7 @@ std::tuple<at::Tensor, at::Tensor> dot_interaction_backward(
   const int64_t B = dense.size(0), D = dense.size(1);
   const int64_t n = embeddings.size(1) / D + 1;
   const int64_t P = n * (n - 1) / 2;
-  TORCH_CHECK(grad_out.scalar_type() == at::kFloat && grad_out.is_contiguous() &&
+  TETRAREC_CHECK(grad_out.scalar_type() == at::kFloat && grad_out.is_contiguous() &&
                   grad_out.dim() == 2 && grad_out.size(0) == B && grad_out.size(1) == D + P,
               "dot_interaction_backward: grad_out must be contiguous FP32 (B, D + P)");
   at::Tensor grad_dense = at::empty({B, D}, dense.options());

@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "check.h"
 #include "bf16_cpu.h"
 #include "copy_cpu.h"
 #include "interaction_cpu.h"
@@ -259,9 +260,9 @@ struct Meta {
 };
 
 Meta read_meta(const std::vector<at::Tensor>& meta) {
-  TORCH_CHECK(meta.size() == 9, "tetrarec tbe: meta needs 9 tensors, got ", meta.size());
+  TETRAREC_CHECK(meta.size() == 9, "tetrarec tbe: meta needs 9 tensors, got ", meta.size());
   for (const auto& m : meta) {
-    TORCH_CHECK(m.scalar_type() == at::kLong && m.is_contiguous() && m.device().is_cpu(),
+    TETRAREC_CHECK(m.scalar_type() == at::kLong && m.is_contiguous() && m.device().is_cpu(),
                 "tetrarec tbe: meta tensors must be contiguous int64 on CPU");
   }
   Meta M{meta[0].data_ptr<int64_t>(), meta[1].data_ptr<int64_t>(), meta[2].data_ptr<int64_t>(),
@@ -313,7 +314,7 @@ class HugeArray {
     const size_t bytes = n * sizeof(T);
     const size_t align = bytes >= 4 * kHugePage ? kHugePage : 64;
     ptr_ = static_cast<T*>(std::aligned_alloc(align, (bytes + align - 1) / align * align));
-    TORCH_CHECK(ptr_ != nullptr, "tetrarec tbe: out of memory for ", bytes, " bytes of scratch");
+    TETRAREC_CHECK(ptr_ != nullptr, "tetrarec tbe: out of memory for ", bytes, " bytes of scratch");
     advise_huge_pages(ptr_, bytes);
     size_ = n;
   }
@@ -330,7 +331,7 @@ inline void prefetch_row(const uint8_t* p, int64_t bytes) {
 // Exclusive prefix sum of the bag lengths: (F*B+1,) offsets. Serial: cheap next to the
 // lookups, and it avoids a parallel region per call.
 inline std::vector<int64_t> offsets_of(const at::Tensor& lengths) {
-  TORCH_CHECK(lengths.is_contiguous(), "tetrarec tbe: lengths must be contiguous");
+  TETRAREC_CHECK(lengths.is_contiguous(), "tetrarec tbe: lengths must be contiguous");
   std::vector<int64_t> off(lengths.numel() + 1, 0);
   AT_DISPATCH_INDEX_TYPES(lengths.scalar_type(), "tbe_offsets", [&] {
     const index_t* l = lengths.data_ptr<index_t>();
@@ -496,27 +497,27 @@ namespace {
 template <typename Fn>
 void dispatch_codec(const at::Tensor& weights, const std::string& precision, Fn&& fn) {
   if (precision == "fp32") {
-    TORCH_CHECK(weights.scalar_type() == at::kFloat,
+    TETRAREC_CHECK(weights.scalar_type() == at::kFloat,
                 "tetrarec tbe: fp32 rows need float32 storage, got ", weights.scalar_type());
     fn(F32{});
   } else if (precision == "fp16") {
-    TORCH_CHECK(weights.scalar_type() == at::kHalf,
+    TETRAREC_CHECK(weights.scalar_type() == at::kHalf,
                 "tetrarec tbe: fp16 rows need float16 storage, got ", weights.scalar_type());
     fn(F16{});
   } else if (precision == "bf16") {
-    TORCH_CHECK(weights.scalar_type() == at::kBFloat16,
+    TETRAREC_CHECK(weights.scalar_type() == at::kBFloat16,
                 "tetrarec tbe: bf16 rows need bfloat16 storage, got ", weights.scalar_type());
     fn(BF16{});
   } else if (precision == "int8") {
-    TORCH_CHECK(weights.scalar_type() == at::kByte,
+    TETRAREC_CHECK(weights.scalar_type() == at::kByte,
                 "tetrarec tbe: int8 rows need uint8 storage, got ", weights.scalar_type());
     fn(IntRow<8>{});
   } else if (precision == "int4") {
-    TORCH_CHECK(weights.scalar_type() == at::kByte,
+    TETRAREC_CHECK(weights.scalar_type() == at::kByte,
                 "tetrarec tbe: int4 rows need uint8 storage, got ", weights.scalar_type());
     fn(IntRow<4>{});
   } else {
-    TORCH_CHECK(false, "tetrarec tbe: unsupported row precision ", precision);
+    TETRAREC_CHECK(false, "tetrarec tbe: unsupported row precision ", precision);
   }
 }
 
@@ -525,13 +526,13 @@ at::Tensor tbe_forward(const at::Tensor& weights, const std::vector<at::Tensor>&
                        const c10::optional<at::Tensor>& psw, at::Tensor& out,
                        const std::string& precision, bool check) {
   const Meta M = read_meta(meta);
-  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.dim() == 2,
+  TETRAREC_CHECK(out.is_contiguous() && out.scalar_type() == at::kFloat && out.dim() == 2,
               "tetrarec tbe forward: out must be a contiguous 2-D float32 tensor, got ",
               out.dim(), "-D ", out.scalar_type());
-  TORCH_CHECK(weights.is_contiguous() && values.is_contiguous(),
+  TETRAREC_CHECK(weights.is_contiguous() && values.is_contiguous(),
               "tetrarec tbe forward: weights and values must be contiguous");
   const int64_t B = out.size(0);
-  TORCH_CHECK(lengths.numel() == M.F * B, "tetrarec tbe forward: lengths must have F*B = ", M.F,
+  TETRAREC_CHECK(lengths.numel() == M.F * B, "tetrarec tbe forward: lengths must have F*B = ", M.F,
               "*", B, " entries, got ", lengths.numel());
   const std::vector<int64_t> offsets = offsets_of(lengths);
   const float* psw_p = nullptr;
@@ -563,11 +564,11 @@ at::Tensor tbe_backward_update(const at::Tensor& grad_out, at::Tensor& weights,
                                const std::string& precision, const std::vector<int64_t>& flags) {
   const Meta M = read_meta(meta);
   at::Tensor g = grad_out.contiguous().to(at::kFloat);
-  TORCH_CHECK(hparams.size() == 5 && flags.size() == 5,
+  TETRAREC_CHECK(hparams.size() == 5 && flags.size() == 5,
               "tetrarec tbe backward: hparams and flags need 5 entries each, got ", hparams.size(),
               " and ", flags.size());
   const std::vector<int64_t> offsets = offsets_of(lengths);
-  TORCH_CHECK(values.is_contiguous(), "tetrarec tbe: values must be contiguous");
+  TETRAREC_CHECK(values.is_contiguous(), "tetrarec tbe: values must be contiguous");
   BackwardArgs A;
   A.M = &M;
   A.B = g.size(0);
@@ -591,11 +592,11 @@ at::Tensor tbe_backward_update(const at::Tensor& grad_out, at::Tensor& weights,
       A.psw_grad = psw_grad.data_ptr<float>();
     }
   }
-  TORCH_CHECK(states.size() == state_offsets.size() && states.size() <= 3,
+  TETRAREC_CHECK(states.size() == state_offsets.size() && states.size() <= 3,
               "tetrarec tbe backward: one offsets tensor per state tensor and at most 3 states, "
               "got ", states.size(), " states and ", state_offsets.size(), " offsets");
   for (size_t k = 0; k < states.size(); ++k) {
-    TORCH_CHECK(states[k].scalar_type() == at::kFloat && states[k].is_contiguous(),
+    TETRAREC_CHECK(states[k].scalar_type() == at::kFloat && states[k].is_contiguous(),
                 "tetrarec tbe backward: optimizer state ", k, " must be contiguous float32, got ",
                 states[k].scalar_type());
     A.state[k] = states[k].data_ptr<float>();

@@ -13,7 +13,7 @@ Kind optim_kind(const std::string& name) {
   if (name == "rowwise_adagrad") return Kind::kRowwiseAdagrad;
   if (name == "adam") return Kind::kAdam;
   if (name == "rowwise_adam") return Kind::kRowwiseAdam;
-  TORCH_CHECK(false, "tetrarec tbe: unknown optimizer ", name);
+  TETRAREC_CHECK(false, "tetrarec tbe: unknown optimizer ", name);
 }
 
 struct BackwardArgs {
@@ -194,7 +194,7 @@ const uint64_t* sorted_keys(const BackwardArgs& A, const Idx* values, Scratch& S
     skipped[f + 1] = skipped[f] + (t < 0 ? cnt : 0);
     if (t >= 0) total_rows = std::max(total_rows, M.row_off[t] + M.rows[t]);
   }
-  TORCH_CHECK(total_rows < (int64_t(1) << 32), "tetrarec tbe: ", total_rows,
+  TETRAREC_CHECK(total_rows < (int64_t(1) << 32), "tetrarec tbe: ", total_rows,
               " rows in one store, more than 2^32");
   const int64_t n = N - skipped[M.F];
   if (static_cast<int64_t>(S.keys.size()) < n) {
@@ -233,7 +233,7 @@ const uint64_t* sorted_keys(const BackwardArgs& A, const Idx* values, Scratch& S
   if (bad_pos.load() < N) {
     const int64_t j = bad_pos.load();
     const int64_t s = std::upper_bound(A.offsets, A.offsets + M.F * A.B + 1, j) - A.offsets - 1;
-    TORCH_CHECK(false, "tetrarec tbe backward: feature ", s / A.B,
+    TETRAREC_CHECK(false, "tetrarec tbe backward: feature ", s / A.B,
                 " (its index in the feature order): id ", static_cast<int64_t>(values[j]),
                 " is outside its table of ", M.rows[M.feat_table[s / A.B]], " rows");
   }
@@ -479,7 +479,7 @@ void update_range(const UpdateCtx& C, int64_t k, int64_t k_end) {
 template <class Codec, typename Idx>
 void backward_impl(at::Tensor& weights, const BackwardArgs& A, const Idx* values, int64_t N) {
   const Meta& M = *A.M;
-  TORCH_CHECK(N < (int64_t(1) << 31) && M.F * A.B < (int64_t(1) << 31),
+  TETRAREC_CHECK(N < (int64_t(1) << 31) && M.F * A.B < (int64_t(1) << 31),
               "tetrarec tbe backward: batch too large: ", N, " ids and ", M.F * A.B,
               " bags, each must be below 2^31");
   Scratch& S = scratch();
