@@ -185,3 +185,39 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
     for row in cells:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+class ServingChild:
+    """A benchmark's child process that serves one command per stdin line and answers
+    with ``@@tag payload`` lines on stdout (its other output is passed through).
+
+    Args:
+        argv: the child's command line.
+        name: what error messages call it.
+    """
+
+    def __init__(self, argv: list[str], name: str) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def expect(self, tag: str) -> str:
+        """The payload of the next ``tag`` line (raises if the child exits first)."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(tag):
+                return line[len(tag) :].strip()
+            sys.stdout.write(line)  # the child's own output
+        raise RuntimeError(f"{self.name} exited with {self.proc.wait()} before {tag}")
+
+    def send(self, text: str) -> None:
+        """One command line."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
+
+    def quit(self) -> float:
+        """Stop the child; its peak RSS in GiB (it answers ``quit`` with ``@@rss``)."""
+        self.send("quit")
+        rss = float(self.expect("@@rss"))
+        self.proc.wait()
+        return rss

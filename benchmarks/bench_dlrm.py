@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.insert(1, str(_HERE.parent))  # run from a checkout without installing
 from _harness import (  # noqa: E402
+    ServingChild,
     Timing,
     describe_run,
     kernel_summary,
@@ -307,46 +307,28 @@ class _Child:
 
     def __init__(self, args: argparse.Namespace, impl: str, variants: list[str]) -> None:
         self.impl, self.args = impl, args
-        self.proc: subprocess.Popen[str] | None = None
+        self.child: ServingChild | None = None
         if args.smoke:
             self.steps = build_steps(args, impl, variants)
             self.kernels = kernel_summary()
             return
         argv = [sys.executable, str(Path(__file__).resolve()), "--serve", "--impl", impl]
         argv += [*forwarded_argv(args), "--dense-dtype", ",".join(variants)]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.kernels: dict[str, Any] = json.loads(self._expect("@@ready"))
-
-    def _expect(self, tag: str) -> str:
-        assert self.proc is not None
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(tag):
-                return line[len(tag) :].strip()
-            sys.stdout.write(line)  # the child's own output, passed through
-        raise RuntimeError(f"{self.impl} child exited with {self.proc.wait()} before {tag}")
-
-    def _send(self, text: str) -> None:
-        assert self.proc is not None
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(text + "\n")
-        self.proc.stdin.flush()
+        self.child = ServingChild(argv, f"{impl} child")
+        self.kernels: dict[str, Any] = json.loads(self.child.expect("@@ready"))
 
     def run(self, variant: str, iters: int) -> list[float]:
-        if self.proc is None:
+        if self.child is None:
             return measure(self.steps[variant], warmup=0, iters=iters).seconds
-        self._send(f"run {variant} {iters}")
-        return list(json.loads(self._expect("@@times")))
+        self.child.send(f"run {variant} {iters}")
+        return list(json.loads(self.child.expect("@@times")))
 
     def finish(self) -> float:
-        if self.proc is None:
+        if self.child is None:
             if self.args.profile:
                 profile_steps(self.impl, self.args, self.steps)
             return peak_rss_gib()
-        self._send("quit")
-        rss = float(self._expect("@@rss"))
-        self.proc.wait()
-        return rss
+        return self.child.quit()
 
 
 def forwarded_argv(args: argparse.Namespace) -> list[str]:

@@ -39,7 +39,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _harness import (
+    ServingChild,
     cpu_summary,
     kernel_summary,
     measure,
@@ -487,57 +487,41 @@ class Worker:
     def __init__(self, impl: str, args: argparse.Namespace, passthrough: list[str]) -> None:
         self.impl = impl
         self.local = Bench(impl, args) if args.workers == "local" else None
-        self.proc: subprocess.Popen[str] | None = None
+        self.child: ServingChild | None = None
         if self.local is None:
             argv = [sys.executable, str(Path(__file__).resolve()), *passthrough, "--serve", impl]
-            self.proc = subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-            )
-            self._expect("@@up")
+            self.child = ServingChild(argv, f"{impl} worker")
+            self.child.expect("@@up")
 
-    def _expect(self, tag: str) -> str:
-        assert self.proc is not None
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(tag):
-                return line[len(tag) :].strip()
-            sys.stdout.write(line)
-        raise RuntimeError(f"{self.impl} worker exited with {self.proc.wait()} before {tag}")
-
-    def _send(self, text: str) -> None:
-        assert self.proc is not None
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(text + "\n")
-        self.proc.stdin.flush()
+    def _ask(self, command: str, tag: str) -> str:
+        assert self.child is not None
+        self.child.send(command)
+        return self.child.expect(tag)
 
     def setup(self, point: Point, ids_path: str) -> dict[str, Any]:
         if self.local is not None:
             return self.local.setup(point, ids_path)
-        self._send(f"setup {json.dumps(asdict(point))} {ids_path}")
-        info: dict[str, Any] = json.loads(self._expect("@@ready"))
+        info: dict[str, Any] = json.loads(
+            self._ask(f"setup {json.dumps(asdict(point))} {ids_path}", "@@ready")
+        )
         return info
 
     def run(self, variant: str, iters: int) -> list[float]:
         if self.local is not None:
             return self.local.run(variant, iters)
-        self._send(f"run {variant} {iters}")
-        return list(json.loads(self._expect("@@times")))
+        return list(json.loads(self._ask(f"run {variant} {iters}", "@@times")))
 
     def drop(self) -> None:
         if self.local is not None:
             self.local.drop()
             return
-        self._send("drop")
-        self._expect("@@dropped")
+        self._ask("drop", "@@dropped")
 
     def finish(self) -> float:
         if self.local is not None:
             return peak_rss_gib()
-        self._send("quit")
-        rss = float(self._expect("@@rss"))
-        assert self.proc is not None
-        self.proc.wait()
-        return rss
+        assert self.child is not None
+        return self.child.quit()
 
 
 # -- the parent: groups, interleaved rounds, ratios ------------------------------------------

@@ -1,6 +1,7 @@
 """Errors the kernels give a user: every C++ check has a message, and an id outside its
 table is named by feature in backward as it is in forward."""
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -92,16 +93,7 @@ def test_backward_names_the_feature_of_an_id_outside_its_table(kernel_path, prec
     update a wrong row: it raised "id -1 outside table of 5 rows" (compiled, no feature)
     or silently updated row 4 of table b (portable: negative index). Now both paths
     raise the forward's ValueError naming the feature, before touching any row."""
-    tables = [
-        TableConfig(
-            name=t.name,
-            num_embeddings=t.num_embeddings,
-            dim=t.dim,
-            feature_names=t.feature_names,
-            precision=precision,
-        )
-        for t in TABLES
-    ]
+    tables = [dataclasses.replace(t, precision=Precision.parse(precision)) for t in TABLES]
     ebc = FusedEmbeddingBagCollection(
         tables, SparseOptimizerSpec(kind="sgd", lr=0.1), check_bounds=False, seed=0
     )

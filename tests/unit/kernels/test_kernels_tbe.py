@@ -1,6 +1,7 @@
 """FusedEmbeddingBagCollection: parity with the reference collection, bounds, state,
 determinism, and compiled == portable."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -278,17 +279,7 @@ def test_failed_build_falls_back_once_with_a_warning(monkeypatch, tmp_path, capl
 @pytest.mark.parametrize("precision", ["fp16", "int8"])
 def test_resumed_low_precision_training_rounds_the_same(kernel_path, precision):
     """The stochastic-rounding stream position travels in the state dict."""
-    tables = [
-        TableConfig(
-            name=t.name,
-            num_embeddings=t.num_embeddings,
-            dim=t.dim,
-            feature_names=t.feature_names,
-            pooling=t.pooling,
-            precision=precision,
-        )
-        for t in TABLES
-    ]
+    tables = [dataclasses.replace(t, precision=Precision.parse(precision)) for t in TABLES]
 
     def step(module, s):
         out = module(random_features(s, tables=tables)).values
