@@ -7,6 +7,8 @@
     torchrun --nproc-per-node N -m tetrarec train --config run.toml   (sharded)
     tetrarec eval --checkpoint DIR [--data PATH ...] [--set k=v ...] [--json PATH]
     tetrarec preprocess criteo --input FILE ... --output DIR [--on-bad-line skip]
+    tetrarec preprocess csv|parquet --config run.toml --output FILE.parquet
+                                    [--input FILE ...] [--on-bad-line skip] [--set k=v ...]
     tetrarec bench NAME [args ...]                  runs benchmarks/bench_NAME.py
 
 tetrarec's own errors print one line on stderr (``tetrarec COMMAND: error: ...``), never
@@ -74,13 +76,40 @@ def _parser() -> argparse.ArgumentParser:
     _add_set(ev)
     ev.add_argument("--json", metavar="PATH", help="write the metrics as JSON")
 
-    pre = sub.add_parser("preprocess", help="convert raw data to the fast binary format")
+    pre = sub.add_parser("preprocess", help="parse raw data once into a fast format")
     pre_sub = pre.add_subparsers(dest="format", required=True, metavar="FORMAT")
-    criteo = pre_sub.add_parser("criteo", help="Criteo TSV (plain or .gz) files")
+    criteo = pre_sub.add_parser("criteo", help="Criteo TSV (plain or .gz) files -> binary dir")
     criteo.add_argument("--input", nargs="+", required=True, type=Path, metavar="FILE")
     criteo.add_argument("--output", required=True, type=Path, metavar="DIR")
     criteo.add_argument("--on-bad-line", choices=("error", "skip"), default="error")
     criteo.add_argument("--no-progress", action="store_true")
+    for fmt, what in (("csv", "delimited text (plain or .gz)"), ("parquet", "parquet")):
+        p = pre_sub.add_parser(
+            fmt,
+            help=f"{what} files -> one parquet file of raw ids",
+            description=f"Parse {what} files once into one parquet file whose sparse columns "
+            "hold the raw 64-bit ids (int64, or list<int64> for multi-hot columns), dense "
+            "and label columns float32, under the same names. The column mapping "
+            "(label_column, dense_columns, sparse_columns) and [data.csv] come from the run "
+            'config\'s [data] section; train on the output with data.source = "parquet" '
+            "and the same mapping.",
+        )
+        p.add_argument("--config", required=True, type=Path, help="a run TOML with the mapping")
+        p.add_argument(
+            "--input",
+            nargs="+",
+            type=Path,
+            metavar="FILE",
+            help="the files to convert (default: the config's data.train_path)",
+        )
+        p.add_argument("--output", required=True, type=Path, metavar="FILE")
+        p.add_argument(
+            "--on-bad-line",
+            choices=("error", "skip"),
+            help="default: the config's data.on_bad_line",
+        )
+        _add_set(p)
+        p.add_argument("--no-progress", action="store_true")
 
     bench = sub.add_parser("bench", help="run benchmarks/bench_NAME.py from the source tree")
     bench.add_argument("name")
@@ -137,10 +166,29 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _preprocess(args: argparse.Namespace) -> int:
-    from tetrarec.data import preprocess_criteo
+    from tetrarec.data import ColumnMapping, preprocess_criteo, preprocess_to_parquet
 
-    summary = preprocess_criteo(
-        args.input, args.output, on_bad_line=args.on_bad_line, progress=not args.no_progress
+    if args.format == "criteo":
+        summary = preprocess_criteo(
+            args.input, args.output, on_bad_line=args.on_bad_line, progress=not args.no_progress
+        )
+        print(summary.summary())
+        return 0
+    from tetrarec.config import RunConfig
+
+    data = RunConfig.from_toml(args.config).with_overrides(args.overrides).data
+    summary = preprocess_to_parquet(
+        args.input or data.train_path,
+        args.output,
+        source=args.format,
+        mapping=ColumnMapping(
+            label_column=data.label_column,
+            dense_columns=data.dense_columns,
+            sparse_columns=data.sparse_columns,
+        ),
+        csv=data.csv,
+        on_bad_line=args.on_bad_line or data.on_bad_line,
+        progress=not args.no_progress,
     )
     print(summary.summary())
     return 0

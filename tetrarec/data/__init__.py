@@ -1,7 +1,8 @@
-"""Data ingestion: Criteo, binary, parquet and synthetic sources, and the loader.
+"""Data ingestion: Criteo, binary, parquet, csv and synthetic sources, and the loader.
 
 The sources are raw Criteo TSV (.gz), the preprocessed memory-mapped binary format,
-parquet with a column mapping and the synthetic power-law generator; the
+parquet and delimited text (csv, plain or .gz) with a column mapping, and the
+synthetic power-law generator; the
 ``BatchLoader`` gives each rank its slice of every global batch, prefetched.
 
 Typical use::
@@ -14,8 +15,9 @@ Typical use::
 
 from tetrarec.data.binary import BinaryColumns, PreprocessSummary, open_binary, preprocess_criteo
 from tetrarec.data.build import LOADERS, build_datasets
-from tetrarec.data.config import BadLinePolicy, DataConfig, DataSource, SyntheticConfig
+from tetrarec.data.config import BadLinePolicy, CsvConfig, DataConfig, DataSource, SyntheticConfig
 from tetrarec.data.criteo import CriteoBlock, iter_criteo_blocks, read_criteo
+from tetrarec.data.csv_source import CsvDataset, iter_csv_blocks, read_csv
 from tetrarec.data.datasets import ColumnsDataset, Dataset, RowRange
 from tetrarec.data.errors import (
     BadLineReason,
@@ -25,9 +27,11 @@ from tetrarec.data.errors import (
     DataFileNotFoundError,
 )
 from tetrarec.data.loader import BatchLoader
-from tetrarec.data.parquet import ParquetDataset
+from tetrarec.data.multi_hot import ColumnMapping, MultiHotColumns, MultiHotDataset
+from tetrarec.data.parquet import ParquetDataset, iter_parquet_blocks, read_parquet
+from tetrarec.data.parquet_export import preprocess_to_parquet
 from tetrarec.data.synthetic import SyntheticDataset
-from tetrarec.data.transforms import dense_transform, hash_ids
+from tetrarec.data.transforms import dense_transform, hash_ids, hash_strings
 
 __all__ = [
     "LOADERS",
@@ -37,13 +41,18 @@ __all__ = [
     "BadLineTally",
     "BatchLoader",
     "BinaryColumns",
+    "ColumnMapping",
     "ColumnsDataset",
     "CriteoBlock",
+    "CsvConfig",
+    "CsvDataset",
     "DataConfig",
     "DataError",
     "DataFileNotFoundError",
     "DataSource",
     "Dataset",
+    "MultiHotColumns",
+    "MultiHotDataset",
     "ParquetDataset",
     "PreprocessSummary",
     "RowRange",
@@ -52,8 +61,14 @@ __all__ = [
     "build_datasets",
     "dense_transform",
     "hash_ids",
+    "hash_strings",
     "iter_criteo_blocks",
+    "iter_csv_blocks",
+    "iter_parquet_blocks",
     "open_binary",
     "preprocess_criteo",
+    "preprocess_to_parquet",
     "read_criteo",
+    "read_csv",
+    "read_parquet",
 ]

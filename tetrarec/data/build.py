@@ -12,7 +12,9 @@ from collections.abc import Callable, Sequence
 from tetrarec.data.binary import open_binary
 from tetrarec.data.config import DataConfig, DataSource
 from tetrarec.data.criteo import read_criteo
+from tetrarec.data.csv_source import CsvDataset
 from tetrarec.data.datasets import ColumnsDataset, Dataset, RowRange
+from tetrarec.data.multi_hot import ColumnMapping
 from tetrarec.data.parquet import ParquetDataset
 from tetrarec.data.synthetic import SyntheticDataset
 from tetrarec.embedding.config import TableConfig
@@ -58,12 +60,24 @@ def _load_parquet(
     )
 
 
+def _load_csv(paths: tuple[str, ...], config: DataConfig, tables: Sequence[TableConfig]) -> Dataset:
+    mapping = ColumnMapping(
+        label_column=config.label_column,
+        dense_columns=config.dense_columns,
+        sparse_columns=config.sparse_columns,
+    )
+    return CsvDataset(
+        paths, mapping=mapping, tables=tables, csv=config.csv, on_bad_line=config.on_bad_line
+    )
+
+
 LOADERS: dict[
     DataSource, Callable[[tuple[str, ...], DataConfig, Sequence[TableConfig]], Dataset]
 ] = {
     DataSource.CRITEO: _load_criteo,
     DataSource.BINARY: _load_binary,
     DataSource.PARQUET: _load_parquet,
+    DataSource.CSV: _load_csv,
 }
 
 
@@ -100,8 +114,8 @@ def _split_one_input(base: Dataset, config: DataConfig) -> tuple[Dataset, Datase
 def build_datasets(config: DataConfig, tables: Sequence[TableConfig]) -> tuple[Dataset, Dataset]:
     """Build the training and evaluation datasets.
 
-    Feature ``i`` of the data is ``feature_order(tables)[i]``; Criteo, binary and parquet
-    categorical values are hashed into each feature's table ``num_embeddings``.
+    Feature ``i`` of the data is ``feature_order(tables)[i]``; Criteo, binary, parquet
+    and csv categorical values are hashed into each feature's table ``num_embeddings``.
 
     Args:
         config: the data configuration.

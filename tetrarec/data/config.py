@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-__all__ = ["BadLinePolicy", "DataConfig", "DataSource", "SyntheticConfig"]
+__all__ = ["BadLinePolicy", "CsvConfig", "DataConfig", "DataSource", "SyntheticConfig"]
 
 
 _Choice = TypeVar("_Choice", bound=enum.StrEnum)
@@ -35,6 +35,7 @@ class DataSource(enum.StrEnum):
     CRITEO = "criteo"
     BINARY = "binary"
     PARQUET = "parquet"
+    CSV = "csv"
 
     @classmethod
     def parse(cls, value: str | DataSource) -> DataSource:
@@ -153,14 +154,73 @@ def _check_rows(name: str, rows: tuple[int, int] | None) -> tuple[int, int] | No
     return bounds[0], bounds[1]
 
 
+_FORBIDDEN_DELIMITERS = '\n\r"'
+
+
+@dataclass(frozen=True, kw_only=True)
+class CsvConfig:
+    """How the ``csv`` source reads its files (see ``tetrarec.data.csv_source``).
+
+    Args:
+        delimiter: the one ASCII character between fields (``","``, a tab,
+            ``";"``, ...); not a newline or ``"``, which quotes fields.
+        header: the first line of every file names its columns. Without a header,
+            ``column_names`` names them.
+        column_names: every column of a headerless file, in order (empty with a
+            header).
+        multi_hot_columns: sparse columns whose field is a list of values joined by
+            ``multi_hot_separator`` (``"a|b|c"``), one bag per row; empty items are
+            dropped, so an empty field is an empty bag.
+        multi_hot_separator: the separator inside a multi-hot field; it must differ
+            from ``delimiter``.
+
+    Raises:
+        ValueError: naming the field and the valid values.
+    """
+
+    delimiter: str = ","
+    header: bool = True
+    column_names: tuple[str, ...] = ()
+    multi_hot_columns: tuple[str, ...] = ()
+    multi_hot_separator: str = "|"
+
+    def __post_init__(self) -> None:
+        """Validate the fields (``ValueError`` names the field) and normalize them."""
+        d = self.delimiter
+        if len(d) != 1 or not d.isascii() or d in _FORBIDDEN_DELIMITERS:
+            raise ValueError(
+                f"CsvConfig.delimiter must be one ASCII character other than a newline or "
+                f'a quote (e.g. ",", "\\t", ";"), got {d!r}'
+            )
+        for name in ("column_names", "multi_hot_columns"):
+            object.__setattr__(self, name, _as_tuple(getattr(self, name)))
+        if self.header and self.column_names:
+            raise ValueError(
+                "CsvConfig.column_names names the columns of files without a header line; "
+                "set header = false to use it (a header line names the columns itself)"
+            )
+        if not self.header and not self.column_names:
+            raise ValueError("CsvConfig.header = false needs CsvConfig.column_names")
+        dup = sorted({c for c in self.column_names if self.column_names.count(c) > 1})
+        if dup:
+            raise ValueError(f"CsvConfig.column_names repeats {dup}")
+        sep = self.multi_hot_separator
+        if not sep or d in sep or any(c in sep for c in _FORBIDDEN_DELIMITERS):
+            raise ValueError(
+                f"CsvConfig.multi_hot_separator must be a non-empty string without the "
+                f"delimiter {d!r}, a newline or a quote, got {sep!r}"
+            )
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     """Where the data comes from and how it is batched.
 
     Args:
         source: ``"synthetic"``, ``"criteo"`` (raw TSV or .gz files), ``"binary"`` (a
-            directory written by ``preprocess_criteo``) or ``"parquet"`` (files).
-        train_path: input files (criteo, parquet) or one directory (binary).
+            directory written by ``preprocess_criteo``), ``"parquet"`` (files) or
+            ``"csv"`` (delimited text files, plain or gzip; see ``csv``).
+        train_path: input files (criteo, parquet, csv) or one directory (binary).
         eval_path: the same for evaluation; empty means "evaluate on ``train_path``
             rows ``eval_rows``" (and when ``eval_rows`` is None too, the last 10% of
             the training rows are held out).
@@ -172,11 +232,14 @@ class DataConfig:
         shuffle: shuffle training rows each epoch.
         on_bad_line: ``"error"`` or ``"skip"`` (see ``BadLinePolicy``).
         prefetch: batches prepared ahead by the loader's thread (0: none).
-        dense_columns: parquet columns of the dense features, in order.
-        sparse_columns: parquet columns of the sparse features, in feature order
-            (integer or list-of-integer columns).
-        label_column: parquet column of the 0/1 label.
+        dense_columns: parquet/csv columns of the dense features, in order.
+        sparse_columns: parquet/csv columns of the sparse features, in feature order
+            (parquet: integer, string or list columns; csv: any text, hashed with
+            ``hash_strings``).
+        label_column: parquet/csv column of the 0/1 label.
         synthetic: settings of the synthetic source.
+        csv: how the csv source reads its files (delimiter, header or column names,
+            multi-hot columns); see ``CsvConfig``.
 
     Raises:
         ValueError: naming the field and the valid values.
@@ -196,6 +259,8 @@ class DataConfig:
     sparse_columns: tuple[str, ...] = ()
     label_column: str = "label"
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    # The csv source (issue 9): its reading settings, checked against the mapping below.
+    csv: CsvConfig = field(default_factory=CsvConfig)
 
     def __post_init__(self) -> None:
         """Validate the fields (``ValueError`` names the field) and normalize them."""
@@ -218,5 +283,28 @@ class DataConfig:
                 f"source 'binary' reads one directory per split, got train_path="
                 f"{self.train_path} eval_path={self.eval_path}"
             )
-        if source == DataSource.PARQUET and not self.sparse_columns:
-            raise ValueError("source 'parquet' needs DataConfig.sparse_columns (the mapping)")
+        if source in (DataSource.PARQUET, DataSource.CSV) and not self.sparse_columns:
+            raise ValueError(
+                f"source {source.value!r} needs DataConfig.sparse_columns (the mapping)"
+            )
+        self._check_csv(source)
+
+    def _check_csv(self, source: DataSource) -> None:
+        """Normalize ``csv`` and check it against the column mapping."""
+        if isinstance(self.csv, dict):
+            object.__setattr__(self, "csv", CsvConfig(**self.csv))
+        if source != DataSource.CSV:
+            return
+        extra = [c for c in self.csv.multi_hot_columns if c not in self.sparse_columns]
+        if extra:
+            raise ValueError(
+                f"DataConfig.csv.multi_hot_columns {extra} are not sparse_columns "
+                f"{list(self.sparse_columns)}"
+            )
+        mapped = [self.label_column, *self.dense_columns, *self.sparse_columns]
+        missing = [c for c in mapped if self.csv.column_names and c not in self.csv.column_names]
+        if missing:
+            raise ValueError(
+                f"DataConfig columns {missing} are not in csv.column_names "
+                f"{list(self.csv.column_names)}"
+            )

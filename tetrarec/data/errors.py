@@ -30,7 +30,8 @@ class DataError(ValueError):
         message: what is wrong.
         path: the file, when one is concerned.
         line: the 1-based line number within ``path``, for a malformed line.
-        field: the field name (``"label"``, ``"I3"``, ``"C12"``, ``"fields"``).
+        field: the field name (``"label"``, ``"I3"``, ``"C12"``, ``"fields"``; for
+            csv and parquet, the column name).
         reason: why a line is bad (set for malformed lines only).
     """
 
@@ -67,12 +68,14 @@ class DataFileNotFoundError(FileNotFoundError):
 
 
 class BadLineReason(enum.StrEnum):
-    """Why a line was rejected."""
+    """Why a line was rejected (Criteo and csv sources)."""
 
     FIELD_COUNT = "wrong number of fields"
     DENSE_NOT_INTEGER = "dense value is not an integer"
     CATEGORICAL_NOT_HEX = "categorical value is not hex"
     LABEL_NOT_BINARY = "label is not 0 or 1"
+    DENSE_NOT_NUMBER = "dense value is not a finite number"  # csv
+    NOT_UTF8 = "value is not UTF-8 text"  # csv
 
 
 _MAX_EXAMPLES = 5

@@ -1,96 +1,209 @@
 """Parquet reader with a declared column mapping.
 
-The mapping names the dense columns (numbers, nulls -> 0, used as they are: no
-transform), the sparse columns (in feature order; an integer column is one id per row,
-null -> the raw value 0 as in Criteo; a list-of-integers column is a multi-hot bag,
-null -> an empty bag) and the 0/1 label column. Ids are hashed into each feature's
-table with ``hash_ids`` when the files are loaded. Parquet is typed, so the only bad
-values are labels other than 0/1 and columns of the wrong type: both raise
-``DataError`` naming the file, the row (1-based) and the column.
+The mapping (``ColumnMapping``) names the dense columns (numbers, nulls -> 0, used as
+they are: no transform), the sparse columns (in feature order) and the 0/1 label
+column (integers, floats, booleans or the strings ``"0"``/``"1"``). A sparse column may
+hold:
+
+- integers: one id per row, the value itself; null -> the raw value 0 as in Criteo;
+- strings (string, large_string, binary or dictionary<string>): one id per row,
+  ``hash_strings`` of the value's bytes; null and ``""`` -> the raw value 0;
+- lists of either (list or large_list): a multi-hot bag per row; a null list is an
+  empty bag, a null item is the raw value 0.
+
+Ids are hashed into each feature's table with ``hash_ids`` when the files are loaded,
+so an integer column holding ``hash_strings`` ids (as ``tetrarec preprocess csv``
+writes) gives the same rows as the strings. Parquet is typed, so the only bad values
+are labels other than 0/1 and columns of the wrong type: both raise ``DataError``
+naming the file, the row (1-based) and the column.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import torch
 
-from tetrarec.data.datasets import check_indices, table_rows_per_feature
 from tetrarec.data.errors import DataError, DataFileNotFoundError
-from tetrarec.data.transforms import hash_ids
-from tetrarec.embedding.config import TableConfig, feature_order
-from tetrarec.sparse import Batch, SparseFeatures
+from tetrarec.data.multi_hot import (
+    ColumnMapping,
+    MultiHotColumns,
+    MultiHotDataset,
+    offsets_from_lengths,
+)
+from tetrarec.data.transforms import hash_strings
+from tetrarec.embedding.config import TableConfig
 
-__all__ = ["ParquetDataset"]
+__all__ = ["ParquetDataset", "iter_parquet_blocks", "read_parquet"]
+
+_BATCH_ROWS = 1 << 20  # rows per block when streaming a file (preprocess)
 
 
-def _read_table(path: Path, columns: list[str]) -> pa.Table:
+def _open(path: Path, columns: Sequence[str]) -> pq.ParquetFile:
     if not path.exists():
         raise DataFileNotFoundError(path)
     try:
-        schema = pq.read_schema(path)
+        file = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"not a readable parquet file ({e})", path=path) from None
-    missing = [c for c in columns if c not in schema.names]
+    names = file.schema_arrow.names
+    missing = [c for c in columns if c not in names]
     if missing:
-        raise DataError(f"columns {missing} are not in the file; it has {schema.names}", path=path)
-    try:
-        return pq.read_table(path, columns=columns)
-    except (pa.ArrowException, OSError) as e:
-        raise DataError(f"cannot read parquet data ({e})", path=path) from None
+        raise DataError(f"columns {missing} are not in the file; it has {names}", path=path)
+    return file
 
 
-def _numbers(col: pa.ChunkedArray, path: Path, name: str) -> np.ndarray:
+def _numbers(col: pa.ChunkedArray | pa.Array, path: Path, name: str) -> np.ndarray:
     if not (
         pa.types.is_integer(col.type)
         or pa.types.is_floating(col.type)
         or pa.types.is_boolean(col.type)
     ):
         raise DataError(f"expected a numeric column, got {col.type}", path=path, field=name)
-    values: np.ndarray = (
-        col.combine_chunks().fill_null(0).to_numpy(zero_copy_only=False).astype(np.float64)
-    )
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    values: np.ndarray = arr.fill_null(0).to_numpy(zero_copy_only=False).astype(np.float64)
     return values
 
 
-def _labels(col: pa.ChunkedArray, path: Path, name: str) -> np.ndarray:
-    values = _numbers(col, path, name)
-    bad = np.flatnonzero((values != 0) & (values != 1) | np.asarray(col.is_null()))
+def _labels(col: pa.ChunkedArray, path: Path, name: str, first_row: int) -> np.ndarray:
+    arr = col.combine_chunks()
+    if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+        ok = pc.is_in(arr, value_set=pa.array(["0", "1"], arr.type)).fill_null(False)
+        values = np.where(pc.equal(arr, "1").fill_null(False).to_numpy(zero_copy_only=False), 1, 0)
+        bad = np.flatnonzero(~ok.to_numpy(zero_copy_only=False))
+    else:
+        values = _numbers(arr, path, name)
+        bad = np.flatnonzero((values != 0) & (values != 1) | np.asarray(arr.is_null()))
     if bad.size:
         row = int(bad[0])
         raise DataError(
-            f"label is not 0 or 1 (row {row + 1} holds {col[row].as_py()!r}; {bad.size} such rows)",
+            f"label is not 0 or 1 (row {first_row + row + 1} holds {arr[row].as_py()!r}; "
+            f"{bad.size} such rows)",
             path=path,
             field=name,
         )
-    return values.astype(np.float32)
+    return np.asarray(values, dtype=np.float32)
 
 
-def _bags(col: pa.ChunkedArray, path: Path, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(raw ids (N_f,), offsets (rows+1,))`` of an integer or list-of-integer column."""
-    arr = col.combine_chunks()
-    if pa.types.is_integer(arr.type):
-        ids = arr.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
-        return ids, np.arange(len(ids) + 1, dtype=np.int64)
-    if (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)) and pa.types.is_integer(
-        arr.type.value_type
-    ):
-        lengths = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False)
-        flat = arr.flatten().fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
-        offsets = np.zeros(len(arr) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        return flat, offsets
-    raise DataError(
-        f"expected an integer or list<integer> column, got {arr.type}", path=path, field=name
+def _is_text(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return bool(
+        pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_binary(t)
+        or pa.types.is_large_binary(t)
     )
 
 
-class ParquetDataset:
+def _scalar_ids(arr: pa.Array) -> np.ndarray | None:
+    """``(n,)`` int64 raw ids of an integer or string array; None for another type."""
+    if pa.types.is_integer(arr.type):
+        ids: np.ndarray = arr.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+        return ids
+    if _is_text(arr.type):
+        return hash_strings(arr)
+    return None
+
+
+def _bags(col: pa.ChunkedArray, path: Path, name: str) -> tuple[np.ndarray, np.ndarray, bool]:
+    """``(raw ids (N_f,), offsets (rows+1,), is a list column)`` of a sparse column."""
+    arr = col.combine_chunks()
+    ids = _scalar_ids(arr)
+    if ids is not None:
+        return ids, np.arange(len(ids) + 1, dtype=np.int64), False
+    if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+        flat = _scalar_ids(arr.flatten())
+        if flat is not None:
+            lengths = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False)
+            return flat, offsets_from_lengths(lengths), True
+    raise DataError(
+        f"expected an integer, string or list<integer or string> column, got {arr.type}",
+        path=path,
+        field=name,
+    )
+
+
+def columns_of_table(
+    table: pa.Table, mapping: ColumnMapping, path: Path, first_row: int = 0
+) -> MultiHotColumns:
+    """The mapped columns of ``table`` (rows ``first_row + 1 ..`` of ``path``).
+
+    Raises:
+        DataError: for a mistyped column or a bad label, naming the file, row and column.
+    """
+    labels = _labels(table.column(mapping.label_column), path, mapping.label_column, first_row)
+    d = [_numbers(table.column(c), path, c) for c in mapping.dense_columns]
+    dense = np.stack(d, 1) if d else np.zeros((table.num_rows, 0))
+    bags = [_bags(table.column(c), path, c) for c in mapping.sparse_columns]
+    return MultiHotColumns(
+        labels=labels,
+        dense=dense.astype(np.float32),
+        ids=tuple(b[0] for b in bags),
+        offsets=tuple(b[1] for b in bags),
+        multi_hot=tuple(b[2] for b in bags),
+    )
+
+
+def iter_parquet_blocks(
+    path: str | Path,
+    mapping: ColumnMapping,
+    *,
+    on_bytes: Callable[[int], None] | None = None,
+) -> Iterator[MultiHotColumns]:
+    """Read one parquet file block by block (about a million rows each), in order.
+
+    Args:
+        path: the file.
+        mapping: the columns to read.
+        on_bytes: called with the file's size once it is read (for progress bars).
+
+    Yields:
+        ``MultiHotColumns`` of each block.
+
+    Raises:
+        DataFileNotFoundError: if the file does not exist.
+        DataError: for an unreadable file, a missing or mistyped column, a bad label.
+    """
+    path = Path(path)
+    file = _open(path, mapping.columns)
+    first_row = 0
+    try:
+        for batch in file.iter_batches(batch_size=_BATCH_ROWS, columns=list(mapping.columns)):
+            yield columns_of_table(pa.Table.from_batches([batch]), mapping, path, first_row)
+            first_row += batch.num_rows
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"cannot read parquet data ({e})", path=path) from None
+    if on_bytes is not None:
+        on_bytes(path.stat().st_size)
+
+
+def read_parquet(paths: Sequence[str | Path], mapping: ColumnMapping) -> MultiHotColumns:
+    """Read whole parquet files into memory, concatenated in the order given.
+
+    Raises:
+        ValueError: if ``paths`` is empty.
+        DataFileNotFoundError: if a file is missing.
+        DataError: for an unreadable file, a missing or mistyped column, a bad label.
+    """
+    if not paths:
+        raise ValueError("read_parquet needs at least one file")
+    parts = []
+    for p in map(Path, paths):
+        file = _open(p, mapping.columns)
+        try:
+            table = file.read(columns=list(mapping.columns))
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"cannot read parquet data ({e})", path=p) from None
+        parts.append(columns_of_table(table, mapping, p))
+    return MultiHotColumns.concatenate(parts)
+
+
+class ParquetDataset(MultiHotDataset):
     """Rows of one or more parquet files, concatenated in order, held in memory.
 
     Args:
@@ -103,7 +216,8 @@ class ParquetDataset:
 
     Raises:
         DataFileNotFoundError: if a file is missing.
-        DataError: for an unreadable file, a missing or mistyped column, a bad label.
+        DataError: for an unreadable file, a missing or mistyped column, a bad label,
+            no rows at all.
     """
 
     def __init__(
@@ -115,57 +229,12 @@ class ParquetDataset:
         label_column: str,
         tables: Sequence[TableConfig],
     ) -> None:
-        self.keys = feature_order(list(tables))
-        rows = table_rows_per_feature(tables, len(sparse_columns))
-        self.num_dense = len(dense_columns)
-        self.bad_lines = None
-        columns = [label_column, *dense_columns, *sparse_columns]
-        labels, dense = [], []
-        bags: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in sparse_columns]
-        for p in map(Path, paths):
-            table = _read_table(p, columns)
-            labels.append(_labels(table.column(label_column), p, label_column))
-            d = [_numbers(table.column(c), p, c) for c in dense_columns]
-            dense.append(np.stack(d, 1) if d else np.zeros((table.num_rows, 0)))
-            for f, c in enumerate(sparse_columns):
-                bags[f].append(_bags(table.column(c), p, c))
-        self.labels = np.concatenate(labels)
-        self.dense = np.concatenate(dense).astype(np.float32)
-        self.num_samples = int(self.labels.shape[0])
-        if self.num_samples == 0:
-            raise DataError(f"no rows in {[str(p) for p in paths]}")
-        self.values: list[np.ndarray] = []  # per feature (N_f,) hashed ids
-        self.offsets: list[np.ndarray] = []  # per feature (num_samples + 1,)
-        for f, parts in enumerate(bags):
-            self.values.append(hash_ids(np.concatenate([v for v, _ in parts]), int(rows[f])))
-            lengths = np.concatenate([np.diff(o) for _, o in parts])
-            offsets = np.zeros(self.num_samples + 1, dtype=np.int64)
-            np.cumsum(lengths, out=offsets[1:])
-            self.offsets.append(offsets)
-
-    def read(self, indices: np.ndarray) -> Batch:
-        """The batch of rows ``indices``, in that order.
-
-        Raises:
-            ValueError: if an index is out of range.
-        """
-        idx = check_indices(indices, self.num_samples)
-        values, lengths, counts = [], [], []
-        for vals, offs in zip(self.values, self.offsets):
-            starts = offs[idx]
-            lens = offs[idx + 1] - starts  # (B,)
-            total = int(lens.sum())
-            # Gather each bag's ids: position j of the output reads starts[bag] + (j - bag start).
-            gather = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(total)
-            values.append(vals[gather])
-            lengths.append(lens)
-            counts.append(total)
-        sparse = SparseFeatures(
-            self.keys,
-            torch.from_numpy(np.concatenate(values)),
-            torch.from_numpy(np.concatenate(lengths)),
-            int(idx.shape[0]),
-            None,
-            tuple(counts),
+        mapping = ColumnMapping(
+            label_column=label_column,
+            dense_columns=tuple(dense_columns),
+            sparse_columns=tuple(sparse_columns),
         )
-        return Batch(torch.from_numpy(self.dense[idx]), sparse, torch.from_numpy(self.labels[idx]))
+        columns = read_parquet(paths, mapping)
+        if columns.rows == 0:
+            raise DataError(f"no rows in {[str(p) for p in paths]}")
+        super().__init__(columns, tables=tables)

@@ -36,8 +36,10 @@ def criteo_file(path: Path, rows: int, *, bad_at: int | None = None) -> Path:
 
 
 def test_config_validation_names_field_and_values():
-    with pytest.raises(ValueError, match=r"'synthetic', 'criteo', 'binary', 'parquet'.*'csv'"):
-        DataConfig(source="csv")
+    with pytest.raises(
+        ValueError, match=r"'synthetic', 'criteo', 'binary', 'parquet', 'csv'.*'json'"
+    ):
+        DataConfig(source="json")
     with pytest.raises(
         ValueError, match=r"on_bad_line must be one of 'error', 'skip', got 'ignore'"
     ):

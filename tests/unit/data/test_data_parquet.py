@@ -94,11 +94,11 @@ def test_errors_name_file_and_column(tmp_path):
         y=[0],
         d0=[1.0],
         d1=[1],
-        u=["a"],
+        u=[1.5],  # strings are ids now (hash_strings); a float column is not
         clicked_list=[[1]],
         seen_list=[[1]],
     )
-    with pytest.raises(DataError, match=r"field u: expected an integer"):
+    with pytest.raises(DataError, match=r"field u: expected an integer, string or list"):
         dataset([text])
     with pytest.raises(ValueError, match="3 sparse features"):
         dataset([a], tables=TABLES[:1])

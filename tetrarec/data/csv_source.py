@@ -1,0 +1,426 @@
+"""Reader of delimited text files (CSV, TSV, ...) with a declared column mapping.
+
+A file is plain text or gzip (told by its magic bytes), UTF-8, one row per line::
+
+    click,hour,site_id,device_ip,C14      <- header line (or csv.column_names)
+    0,14102100,1fbe01fe,ddd2926e,15706    <- line 2: the first row
+    1,14102100,1fbe01fe,,15704            <- an empty field is a missing value
+
+The mapping (``DataConfig.dense_columns``, ``sparse_columns``, ``label_column``)
+picks columns by name; other columns are not converted. Values are read as follows:
+
+- **label**: the text ``0`` or ``1``; anything else is a bad line.
+- **dense**: a decimal number as pyarrow reads a float64 (``1``, ``-2.5``, ``1e3``);
+  empty -> 0; anything else, ``nan`` and ``inf`` included, is a bad line. Kept as
+  float32, untransformed.
+- **sparse**: always text, hashed by its UTF-8 bytes with ``hash_strings`` (FNV-1a 64),
+  whatever it looks like: ``123`` in a csv is the string ``"123"``, not the integer
+  123 a parquet integer column would hold, and never depends on how pyarrow would
+  infer the column's type. An empty field is the missing value, raw id 0 (row 0).
+- **multi-hot** (``csv.multi_hot_columns``): the field is split on
+  ``csv.multi_hot_separator`` and each non-empty item hashed as above; empty items are
+  dropped, so an empty field is an empty bag.
+
+Fields may be quoted with ``"`` (``"a,b"`` is the value ``a,b``; a doubled quote
+inside quotes is one quote); a field never spans lines: a quote left open ends at the
+end of its line.
+
+Parsing is block-wise (16 MiB of whole lines through pyarrow's CSV reader, label and
+values checked with vectorized numpy). Only a block that fails (a wrong number of
+fields, a bad label, a dense value that is not a finite number, bytes that are not
+UTF-8) is split into smaller runs of lines and those re-read, down to the single
+lines at fault; so the rows read never depend on where blocks end. A bad line raises
+``DataError`` naming the file, the 1-based line number (the header is line 1) and the
+column, or with ``on_bad_line="skip"`` is dropped and counted per reason.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+
+from tetrarec.data.config import BadLinePolicy, CsvConfig
+from tetrarec.data.criteo import open_input
+from tetrarec.data.errors import BadLineReason, BadLineSummary, BadLineTally, DataError
+from tetrarec.data.multi_hot import (
+    ColumnMapping,
+    MultiHotColumns,
+    MultiHotDataset,
+    offsets_from_lengths,
+)
+from tetrarec.data.transforms import hash_strings
+from tetrarec.embedding.config import TableConfig
+
+__all__ = ["CsvDataset", "iter_csv_blocks", "read_csv"]
+
+_BLOCK_BYTES = 16 << 20
+_SPLIT = 16  # a failing run of lines is re-read as this many smaller runs
+_BOM = b"\xef\xbb\xbf"
+
+
+class _BlockInvalidError(Exception):
+    """Some line of a run is bad; the run is split and re-read."""
+
+
+class _FilePlan:
+    """How one file's lines are read: its column names and pyarrow's options."""
+
+    def __init__(self, path: Path, names: Sequence[str], mapping: ColumnMapping, csv: CsvConfig):
+        self.path, self.names, self.mapping, self.csv = path, tuple(names), mapping, csv
+        missing = [c for c in mapping.columns if c not in self.names]
+        if missing:
+            where = "the header line" if csv.header else "csv.column_names"
+            raise DataError(
+                f"columns {missing} are not in {where}; it has {list(self.names)}",
+                path=path,
+                line=1 if csv.header else None,
+            )
+        twice = sorted({c for c in mapping.columns if self.names.count(c) > 1})
+        if twice:
+            raise DataError(f"columns {twice} appear more than once in the header", path=path)
+        self.multi_hot = frozenset(csv.multi_hot_columns)
+        # The mapped columns in file order: a bad line names the first bad one.
+        self.used = tuple(c for c in self.names if c in mapping.columns)
+        self.parse_options = _parse_options(csv.delimiter)
+        types = {mapping.label_column: pa.string()}
+        types.update(dict.fromkeys(mapping.dense_columns, pa.float64()))
+        types.update(dict.fromkeys(mapping.sparse_columns, pa.string()))
+        self.convert = _convert_options(types)
+
+    def read(
+        self,
+        data: bytes,
+        convert: pacsv.ConvertOptions | None = None,
+        invalid_row: Callable[[object], str] | None = None,
+    ) -> pa.Table:
+        """``data`` (whole lines, the last without its newline) through pyarrow."""
+        skip = 0
+        if data.startswith(_BOM):  # pyarrow drops a BOM at the start of its input
+            data, skip = b"\n" + data, 1
+        parse = self.parse_options
+        if invalid_row is not None:
+            parse = _parse_options(self.csv.delimiter, invalid_row)
+        return pacsv.read_csv(
+            pa.py_buffer(data),
+            read_options=pacsv.ReadOptions(
+                column_names=list(self.names), skip_rows=skip, use_threads=invalid_row is None
+            ),
+            parse_options=parse,
+            convert_options=convert or self.convert,
+        )
+
+
+def _parse_options(
+    delimiter: str, invalid_row: Callable[[object], str] | None = None
+) -> pacsv.ParseOptions:
+    return pacsv.ParseOptions(
+        delimiter=delimiter,
+        quote_char='"',
+        double_quote=True,
+        escape_char=False,
+        newlines_in_values=False,
+        ignore_empty_lines=False,  # an empty line is a bad line, counted like any other
+        invalid_row_handler=invalid_row,
+    )
+
+
+def _convert_options(types: dict[str, pa.DataType]) -> pacsv.ConvertOptions:
+    return pacsv.ConvertOptions(
+        column_types=types,
+        include_columns=list(types),
+        null_values=[""],
+        strings_can_be_null=False,
+        quoted_strings_can_be_null=True,
+    )
+
+
+def _line_blocks(path: Path, on_bytes: Callable[[int], None] | None) -> Iterator[tuple[bytes, int]]:
+    """Yield ``(block of whole lines, number of its first line)``; blocks end in a newline.
+
+    A UTF-8 byte-order mark at the start of the file is dropped.
+    """
+    stream, raw = open_input(path)
+    with raw, stream:
+        carry, first_line, seen_any, done = b"", 1, False, raw.tell()
+        while data := _read_some(stream, path):
+            if not seen_any and data.startswith(_BOM):
+                data = data[len(_BOM) :]
+            seen_any = True
+            if on_bytes is not None:
+                on_bytes(raw.tell() - done)
+                done = raw.tell()
+            buf = carry + data
+            cut = buf.rfind(b"\n") + 1
+            block, carry = buf[:cut], buf[cut:]
+            if block:
+                yield block, first_line
+                first_line += block.count(b"\n")
+        if carry:
+            yield carry + b"\n", first_line
+    if not seen_any:
+        raise DataError("the file is empty", path=path)
+
+
+def _read_some(stream: io.BufferedIOBase, path: Path) -> bytes:
+    try:
+        return stream.read(_BLOCK_BYTES)
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise DataError(f"corrupt or truncated gzip data ({e})", path=path) from None
+
+
+def _header(line: bytes, path: Path, csv: CsvConfig) -> list[str]:
+    """The column names of a header line."""
+    try:
+        names: list[str] = pacsv.read_csv(
+            pa.py_buffer(line + b"\n"), parse_options=_parse_options(csv.delimiter)
+        ).column_names
+    except (pa.ArrowInvalid, UnicodeDecodeError) as e:
+        raise DataError(f"cannot read the header line ({e})", path=path, line=1) from None
+    return names
+
+
+def _parse_block(data: bytes, expected_rows: int, plan: _FilePlan) -> MultiHotColumns:
+    """Read lines with pyarrow; raises ``_BlockInvalidError`` if any of them is bad."""
+    try:
+        table = plan.read(data)
+    except pa.ArrowInvalid:
+        raise _BlockInvalidError from None
+    if table.num_rows != expected_rows:  # an open quote or a lone "\r" moved a line end
+        raise _BlockInvalidError
+    m = plan.mapping
+    label = table.column(m.label_column).combine_chunks()
+    if not pc.all(pc.is_in(label, value_set=pa.array(["0", "1"]))).as_py():
+        raise _BlockInvalidError
+    labels = pc.equal(label, "1").to_numpy(zero_copy_only=False).astype(np.float32)
+    dense = np.zeros((expected_rows, len(m.dense_columns)), dtype=np.float64)
+    for i, name in enumerate(m.dense_columns):
+        dense[:, i] = table.column(name).combine_chunks().fill_null(0).to_numpy()
+    if not np.isfinite(dense).all():
+        raise _BlockInvalidError
+    bags = [_bags(table.column(c).combine_chunks(), c, plan) for c in m.sparse_columns]
+    return MultiHotColumns(
+        labels=labels,
+        dense=dense.astype(np.float32),
+        ids=tuple(b[0] for b in bags),
+        offsets=tuple(b[1] for b in bags),
+        multi_hot=tuple(c in plan.multi_hot for c in m.sparse_columns),
+    )
+
+
+def _bags(arr: pa.Array, name: str, plan: _FilePlan) -> tuple[np.ndarray, np.ndarray]:
+    """``(raw ids (N_f,), offsets (n+1,))`` of a sparse text column."""
+    if name not in plan.multi_hot:
+        return hash_strings(arr), np.arange(len(arr) + 1, dtype=np.int64)
+    lists = pc.split_pattern(arr, pattern=plan.csv.multi_hot_separator)
+    items = pc.list_flatten(lists)
+    parents = pc.list_parent_indices(lists).to_numpy(zero_copy_only=False)
+    keep = pc.greater(pc.binary_length(items), 0).to_numpy(zero_copy_only=False)
+    lengths = np.bincount(parents[keep], minlength=len(arr))
+    return hash_strings(items.filter(pa.array(keep))), offsets_from_lengths(lengths)
+
+
+def _diagnose(line: bytes, lineno: int, plan: _FilePlan) -> DataError:
+    """The ``DataError`` naming what is wrong with one line that failed to parse."""
+
+    def bad(reason: BadLineReason, column: str, detail: str) -> DataError:
+        return DataError(
+            f"{reason.value} ({detail})", path=plan.path, line=lineno, field=column, reason=reason
+        )
+
+    counts: list[int] = []
+
+    def invalid_row(row: object) -> str:
+        counts.append(int(getattr(row, "actual_columns", -1)))
+        return "skip"
+
+    as_bytes = _convert_options(dict.fromkeys(plan.used, pa.binary()))
+    try:
+        table = plan.read(line, as_bytes, invalid_row)
+    except pa.ArrowInvalid:
+        table = None
+    if table is None or table.num_rows != 1:
+        expected = f"expected {len(plan.names)} fields separated by {plan.csv.delimiter!r}"
+        got = f"got {counts[0]}" if counts else "got an empty line"
+        if table is not None and table.num_rows > 1:
+            got = "a carriage return inside the line splits it"
+        return bad(BadLineReason.FIELD_COUNT, "fields", f"{expected}, {got}")
+    for name in plan.used:
+        value: bytes = table.column(name)[0].as_py()
+        try:
+            text = value.decode("utf-8")
+        except UnicodeDecodeError:
+            return bad(BadLineReason.NOT_UTF8, name, f"got {value[:30]!r}")
+        if name == plan.mapping.label_column and text not in ("0", "1"):
+            return bad(BadLineReason.LABEL_NOT_BINARY, name, f"got {text[:20]!r}")
+        if name in plan.mapping.dense_columns and not _dense_ok(line, name, plan):
+            return bad(BadLineReason.DENSE_NOT_NUMBER, name, f"got {text[:30]!r}")
+    return bad(BadLineReason.FIELD_COUNT, "fields", f"pyarrow cannot read the line {line[:60]!r}")
+
+
+def _dense_ok(line: bytes, name: str, plan: _FilePlan) -> bool:
+    """Whether column ``name`` of ``line`` reads as a finite float64 (or is empty)."""
+    try:
+        table = plan.read(line, _convert_options({name: pa.float64()}))
+    except pa.ArrowInvalid:
+        return False
+    value = table.column(name)[0].as_py()
+    return value is None or bool(np.isfinite(value))
+
+
+def _parse_lines(
+    block: bytes, first_line: int, plan: _FilePlan, policy: BadLinePolicy, tally: BadLineTally
+) -> list[MultiHotColumns]:
+    """The good rows of ``block`` (whole lines, each ending in a newline).
+
+    The block is read whole; if that fails it is split into ``_SPLIT`` runs of lines,
+    each read the same way, down to single lines, which are diagnosed and raised or
+    counted per ``policy``. Every row is thus read by pyarrow exactly as it would be in
+    a clean block.
+    """
+    n = block.count(b"\n")
+    try:
+        return [_parse_block(block[:-1], n, plan)]  # the last line's newline ends the input
+    except _BlockInvalidError:
+        pass
+    if n == 1:
+        error = _diagnose(block[:-1], first_line, plan)
+        if policy == BadLinePolicy.ERROR:
+            raise error
+        tally.add(error)
+        return []
+    ends = np.flatnonzero(np.frombuffer(block, dtype=np.uint8) == ord("\n")) + 1  # (n,)
+    step = -(-n // _SPLIT)
+    parts: list[MultiHotColumns] = []
+    for lo in range(0, n, step):
+        hi = min(lo + step, n)
+        start = 0 if lo == 0 else int(ends[lo - 1])
+        parts += _parse_lines(
+            block[start : int(ends[hi - 1])], first_line + lo, plan, policy, tally
+        )
+    return parts
+
+
+def iter_csv_blocks(
+    path: str | Path,
+    mapping: ColumnMapping,
+    *,
+    csv: CsvConfig | None = None,
+    on_bad_line: str | BadLinePolicy = BadLinePolicy.ERROR,
+    tally: BadLineTally | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> Iterator[MultiHotColumns]:
+    """Parse one delimited text file (plain or gzip), block by block, in file order.
+
+    Args:
+        path: the file.
+        mapping: the label, dense and sparse columns to read.
+        csv: the delimiter, header or column names, multi-hot columns (default: a
+            comma-separated file with a header line).
+        on_bad_line: ``"error"`` raises on the first bad line; ``"skip"`` drops it and
+            counts it in ``tally``.
+        tally: where skipped lines are counted (a fresh one when None).
+        on_bytes: called with the number of bytes read from disk since the last call.
+
+    Yields:
+        ``MultiHotColumns`` of each block's good rows (raw ids, not yet hashed into
+        tables).
+
+    Raises:
+        ValueError: if a multi-hot column is not a sparse column.
+        DataFileNotFoundError: if the file does not exist.
+        DataError: for an empty file, corrupt gzip data, a header without the mapped
+            columns, or (by default) a bad line, naming the file, line and column.
+    """
+    path = Path(path)
+    csv = CsvConfig() if csv is None else csv
+    policy = BadLinePolicy.parse(on_bad_line)
+    tally = BadLineTally() if tally is None else tally
+    extra = sorted(set(csv.multi_hot_columns) - set(mapping.sparse_columns))
+    if extra:
+        raise ValueError(f"csv.multi_hot_columns {extra} are not sparse columns of the mapping")
+    plan = None if csv.header else _FilePlan(path, csv.column_names, mapping, csv)
+    for block, first_line in _line_blocks(path, on_bytes):
+        if plan is None:
+            head, _, block = block.partition(b"\n")
+            plan = _FilePlan(path, _header(head, path, csv), mapping, csv)
+            first_line += 1
+            if not block:
+                continue
+        parts = _parse_lines(block, first_line, plan, policy, tally)
+        if parts:
+            yield parts[0] if len(parts) == 1 else MultiHotColumns.concatenate(parts)
+
+
+def read_csv(
+    paths: Sequence[str | Path],
+    mapping: ColumnMapping,
+    *,
+    csv: CsvConfig | None = None,
+    on_bad_line: str | BadLinePolicy = BadLinePolicy.ERROR,
+) -> tuple[MultiHotColumns, BadLineSummary]:
+    """Read whole delimited text files into memory, concatenated in the order given.
+
+    Args:
+        paths: the files (plain or gzip).
+        mapping: the label, dense and sparse columns to read.
+        csv: how the files are read (see ``CsvConfig``).
+        on_bad_line: ``"error"`` or ``"skip"``.
+
+    Returns:
+        ``(all rows, summary of skipped lines)``.
+
+    Raises:
+        ValueError: if ``paths`` is empty.
+        DataFileNotFoundError: if a file does not exist.
+        DataError: see ``iter_csv_blocks``; also when no row is left at all.
+    """
+    if not paths:
+        raise ValueError("read_csv needs at least one file")
+    tally = BadLineTally()
+    parts = [
+        b
+        for p in paths
+        for b in iter_csv_blocks(p, mapping, csv=csv, on_bad_line=on_bad_line, tally=tally)
+    ]
+    if not parts:
+        raise DataError(f"no valid rows in {[str(p) for p in paths]}")
+    columns = MultiHotColumns.concatenate(parts)
+    return columns, tally.freeze(columns.rows)
+
+
+class CsvDataset(MultiHotDataset):
+    """Rows of one or more delimited text files, concatenated in order, held in memory.
+
+    Args:
+        paths: the files (plain or gzip).
+        mapping: the label, dense and sparse columns (sparse in ``feature_order``).
+        tables: the model's tables.
+        csv: how the files are read (see ``CsvConfig``).
+        on_bad_line: ``"error"`` or ``"skip"``; skipped lines are summarized in
+            ``bad_lines``.
+
+    Raises:
+        DataFileNotFoundError: if a file is missing.
+        DataError: see ``read_csv``.
+        ValueError: if the tables do not match the sparse columns.
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str | Path],
+        *,
+        mapping: ColumnMapping,
+        tables: Sequence[TableConfig],
+        csv: CsvConfig | None = None,
+        on_bad_line: str | BadLinePolicy = BadLinePolicy.ERROR,
+    ) -> None:
+        columns, bad = read_csv(paths, mapping, csv=csv, on_bad_line=on_bad_line)
+        super().__init__(columns, tables=tables, bad_lines=bad)
