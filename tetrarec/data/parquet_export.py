@@ -10,7 +10,7 @@ The output has the mapped columns under their own names::
 The ids are those the reader computed (an integer value, or ``hash_strings`` of a
 string), not yet hashed into tables, so reading the file back with
 ``source = "parquet"`` and the same mapping gives bit-identical batches for any table
-sizes, without parsing or hashing text again. The file's metadata key ``tetrarec``
+sizes, without parsing or hashing text again. The file's key-value metadata ``tetrarec``
 holds JSON describing the inputs and the skipped lines. The file is written beside
 ``output`` under a temporary name and renamed into place at the end.
 """
@@ -182,7 +182,7 @@ def preprocess_to_parquet(
                 for block in read_blocks(p, mapping, csv, policy, tally, bar.update):
                     if writer is None:
                         writer = pq.ParquetWriter(tmp, _schema(mapping, block.multi_hot))
-                    writer.write_table(_table(block, writer.schema_arrow, mapping, p))
+                    writer.write_table(_table(block, writer.schema, mapping, p))
                     rows += block.rows
                     positives += int(block.labels.sum())
                 files.append((str(p), rows - before))

@@ -1,0 +1,315 @@
+"""The csv source: layouts, value rules, bad lines, and the shared Avazu sample.
+
+Expected rows are computed here from the documented rules with a pure-Python
+FNV-1a 64 and fmix64 (see test_data_string_hash.py), not with the library's hashes.
+"""
+
+import gzip
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tetrarec.data.csv_source as csv_source
+from tetrarec.data import (
+    BadLineReason,
+    ColumnMapping,
+    CsvConfig,
+    CsvDataset,
+    DataConfig,
+    DataError,
+    DataFileNotFoundError,
+    build_datasets,
+    read_csv,
+)
+from tetrarec.embedding import TableConfig
+
+MASK = 2**64 - 1
+REPO = Path(__file__).parents[3]
+AVAZU = REPO.parent / "shared/data/avazu-sample/avazu_sample.csv.gz"
+
+TABLES = [
+    TableConfig(name="user", num_embeddings=100, dim=4),
+    TableConfig(name="tags", num_embeddings=50, dim=4),
+    TableConfig(name="codes", num_embeddings=1000, dim=4, feature_names=("city", "ids")),
+]
+MAPPING = ColumnMapping(
+    label_column="label",
+    dense_columns=("price", "qty"),
+    sparse_columns=("user", "tags", "city", "ids"),
+)
+MULTI = CsvConfig(multi_hot_columns=("tags", "ids"))
+NAMES = ("label", "price", "user", "tags", "city", "skip_me", "qty", "ids")
+ROWS = [
+    ["1", "2.5", "u1", "a|b", "7", "x", "3", "10|20"],
+    ["0", "", "", "", "", "", "", ""],
+    ["1", "-3", "u2", "b||", "07", "\u00e9", "1e2", "20"],
+]
+
+
+def fnv1a64(data: bytes) -> int:
+    h = 0xCBF29CE484222325
+    for byte in data:
+        h = ((h ^ byte) * 0x100000001B3) & MASK
+    return h
+
+
+def row_of(value: str, num_rows: int) -> int:
+    """The documented row of a csv text value: fmix64(FNV-1a 64(bytes)) % rows; "" -> 0."""
+    h = fnv1a64(value.encode()) if value else 0
+    h ^= h >> 33
+    h = (h * 0xFF51AFD7ED558CCD) & MASK
+    h ^= h >> 33
+    h = (h * 0xC4CEB9FE1A85EC53) & MASK
+    return (h ^ (h >> 33)) % num_rows
+
+
+def write(path: Path, rows, *, delimiter=",", header=True, gz=False, names=NAMES) -> Path:
+    lines = ([delimiter.join(names)] if header else []) + [delimiter.join(r) for r in rows]
+    data = ("\n".join(lines) + "\n").encode()
+    path.write_bytes(gzip.compress(data) if gz else data)
+    return path
+
+
+def dataset(paths, csv=MULTI, **kw):
+    return CsvDataset(paths, mapping=MAPPING, tables=TABLES, csv=csv, **kw)
+
+
+def batch_tuple(ds):
+    b = ds.read(np.arange(ds.num_samples))
+    return b.dense, b.sparse.values, b.sparse.lengths, b.labels
+
+
+def assert_same(a, b):
+    for x, y in zip(batch_tuple(a), batch_tuple(b)):
+        assert torch.equal(x, y)
+
+
+def test_rows_match_the_documented_rules(tmp_path):
+    """Catches wrong columns picked by name (an unused column sits in between), dense
+    empty != 0, a text id hashed as an integer, a missing id not on row 0, empty
+    multi-hot items kept, and bags misaligned with rows."""
+    ds = dataset([write(tmp_path / "a.csv", ROWS)])
+    assert (ds.num_samples, ds.num_dense, ds.keys) == (3, 2, ("user", "tags", "city", "ids"))
+    assert ds.bad_lines.skipped == 0
+    b = ds.read(np.array([2, 0, 1]))
+    assert b.labels.tolist() == [1.0, 1.0, 0.0]
+    assert b.dense.tolist() == [[-3.0, 100.0], [2.5, 3.0], [0.0, 0.0]]
+    d = b.sparse.to_dict()
+    assert d["user"][0].tolist() == [row_of("u2", 100), row_of("u1", 100), 0]
+    assert d["user"][1].tolist() == [1, 1, 1]
+    assert d["tags"][0].tolist() == [row_of(v, 50) for v in ("b", "a", "b")]
+    assert d["tags"][1].tolist() == [1, 2, 0]  # "b||" is one item; "" is an empty bag
+    assert d["city"][0].tolist() == [row_of("07", 1000), row_of("7", 1000), 0]
+    assert row_of("07", 1000) != row_of("7", 1000)  # text, not the integer 7
+    assert d["ids"][0].tolist() == [row_of(v, 1000) for v in ("20", "10", "20")]
+    assert d["ids"][1].tolist() == [1, 2, 0]
+
+
+@pytest.mark.parametrize(
+    ("delimiter", "header", "gz"),
+    [("\t", True, False), (";", False, False), (",", True, True), ("|", False, True)],
+)
+def test_layouts_read_the_same_rows(tmp_path, delimiter, header, gz):
+    """Tab, semicolon, pipe; header line or declared names; plain or gzip: the same rows
+    as the plain comma file (catches a delimiter or header setting ignored, gzip not
+    detected by its magic bytes)."""
+    rows = [[v.replace("|", "/") for v in r] for r in ROWS]  # "|" may be the delimiter
+    multi = CsvConfig(multi_hot_columns=("tags", "ids"), multi_hot_separator="/")
+    reference = dataset([write(tmp_path / "ref.csv", rows)], csv=multi)
+    csv = CsvConfig(
+        delimiter=delimiter,
+        header=header,
+        column_names=() if header else NAMES,
+        multi_hot_columns=("tags", "ids"),
+        multi_hot_separator="/",
+    )
+    path = write(tmp_path / "data.txt", rows, delimiter=delimiter, header=header, gz=gz)
+    assert_same(dataset([path], csv=csv), reference)
+
+
+def test_quoted_fields_crlf_bom_and_no_final_newline(tmp_path):
+    """A quoted field holding the delimiter is one value; CRLF line ends, a UTF-8 BOM
+    before the header and a missing final newline change nothing (catches a header
+    named '\\ufefflabel', a "\\r" kept in the last value, a lost last row)."""
+    ref_rows = [*ROWS, ["1", "1", '"p,q"', "", "", "", "", ""]]
+    ref = dataset([write(tmp_path / "ref.csv", ref_rows)])
+    text = "\r\n".join([",".join(NAMES), *(",".join(r) for r in ROWS), '1,1,"p,q",,,,,'])
+    path = tmp_path / "q.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    ds = dataset([path])
+    assert_same(ds, ref)
+    assert ds.read(np.array([3])).sparse.to_dict()["user"][0].tolist() == [row_of("p,q", 100)]
+
+
+BAD = [
+    ("1,2.5,u1,a", BadLineReason.FIELD_COUNT, "fields"),
+    ("", BadLineReason.FIELD_COUNT, "fields"),
+    ("2,1,u,a,7,x,1,1", BadLineReason.LABEL_NOT_BINARY, "label"),
+    ("yes,1,u,a,7,x,1,1", BadLineReason.LABEL_NOT_BINARY, "label"),
+    ("1,abc,u,a,7,x,1,1", BadLineReason.DENSE_NOT_NUMBER, "price"),
+    ("1,1,u,a,7,x,nan,1", BadLineReason.DENSE_NOT_NUMBER, "qty"),
+    ("1,1,u\udcff,a,7,x,1,1", BadLineReason.NOT_UTF8, "user"),
+]
+
+
+def bad_file(path: Path, bad_line: str) -> Path:
+    good = [",".join(r) for r in ROWS]
+    text = "\n".join([",".join(NAMES), *good[:2], bad_line, good[2]]) + "\n"
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))  # \udcff -> the byte 0xff
+    return path
+
+
+@pytest.mark.parametrize(("line", "reason", "column"), BAD)
+def test_bad_line_error_names_file_line_and_column(tmp_path, line, reason, column):
+    """Each kind of bad line raises naming the file, the line (the header is line 1, so
+    the bad row is line 4) and the column; catches a wrong line number, column or
+    reason, and a bad value read as something."""
+    path = bad_file(tmp_path / "bad.csv", line)
+    with pytest.raises(DataError) as err:
+        dataset([path])
+    assert str(err.value).startswith(f"{path}, line 4, field {column}: {reason.value}")
+    assert (err.value.line, err.value.field, err.value.reason) == (4, column, reason)
+
+
+def test_skip_counts_each_reason_and_keeps_good_rows(tmp_path):
+    """Skip mode drops exactly the bad lines, counts them per reason, and the good rows
+    are those of a clean file (catches a good row dropped with a bad one, or a count
+    missing)."""
+    paths = [bad_file(tmp_path / f"bad{i}.csv", line) for i, (line, _, _) in enumerate(BAD)]
+    ds = dataset(paths, on_bad_line="skip")
+    clean = dataset([write(tmp_path / "clean.csv", ROWS)] * len(BAD))
+    assert_same(ds, clean)
+    assert ds.bad_lines.rows_read == 3 * len(BAD)
+    assert dict(ds.bad_lines.counts) == {
+        "wrong number of fields": 2,
+        "label is not 0 or 1": 2,
+        "dense value is not a finite number": 2,
+        "value is not UTF-8 text": 1,
+    }
+
+
+def test_headerless_line_numbers_start_at_one(tmp_path):
+    path = write(tmp_path / "n.csv", [ROWS[0], ["1", "2"]], header=False)
+    csv = CsvConfig(header=False, column_names=NAMES, multi_hot_columns=("tags", "ids"))
+    with pytest.raises(DataError, match=r"n\.csv, line 2, field fields: wrong number"):
+        dataset([path], csv=csv)
+
+
+def test_bad_lines_found_exactly_whatever_the_block_size(tmp_path, monkeypatch):
+    """Thousands of rows with bad lines deep inside: the error names the right line,
+    skip mode drops just those lines, and tiny blocks (many block boundaries, lines
+    carried over) give the same rows and line numbers as one block (catches an
+    off-by-one in the split-and-reread or in line counting across blocks)."""
+    rows = [
+        [str(i % 2), str(i), f"u{i % 97}", f"t{i % 5}|t{i % 7}", str(i % 13), "", "1", ""]
+        for i in range(3000)
+    ]
+    good = [",".join(r) for r in rows]
+    lines = [*good[:1234], "1,1,u", *good[1234:2500], "1,x,u,a,7,,1,", *good[2500:]]
+    path = tmp_path / "big.csv"
+    path.write_text("\n".join([",".join(NAMES), *lines]) + "\n")
+    clean = dataset([write(tmp_path / "clean.csv", rows)])
+    for block_bytes in (csv_source._BLOCK_BYTES, 1000):
+        monkeypatch.setattr(csv_source, "_BLOCK_BYTES", block_bytes)
+        with pytest.raises(DataError, match=r"big\.csv, line 1236, field fields"):
+            dataset([path])
+        ds = dataset([path], on_bad_line="skip")
+        assert ds.bad_lines.skipped == 2
+        assert "line 2503, field price" in ds.bad_lines.examples[1]
+        assert_same(ds, clean)
+
+
+def test_file_level_errors(tmp_path):
+    """Missing file, empty file, header without a mapped column, a .gz that is not
+    gzip: each a clear error naming the file."""
+    with pytest.raises(DataFileNotFoundError):
+        dataset([tmp_path / "missing.csv"])
+    (tmp_path / "empty.csv").write_bytes(b"")
+    with pytest.raises(DataError, match=r"empty\.csv: the file is empty"):
+        dataset([tmp_path / "empty.csv"])
+    path = write(tmp_path / "cols.csv", [r[:5] for r in ROWS], names=NAMES[:5])
+    with pytest.raises(DataError, match=r"cols\.csv, line 1: columns \['qty', 'ids'\] are not"):
+        dataset([path])
+    (tmp_path / "fake.csv.gz").write_text("label,user\n")
+    with pytest.raises(DataError, match="not gzip data"):
+        dataset([tmp_path / "fake.csv.gz"])
+    only_header = write(tmp_path / "h.csv", [])
+    with pytest.raises(DataError, match="no valid rows"):
+        dataset([only_header])
+    with pytest.raises(ValueError, match=r"multi_hot_columns \['price'\]"):
+        read_csv([only_header], MAPPING, csv=CsvConfig(multi_hot_columns=("price",)))
+
+
+def test_config_fields_are_validated():
+    with pytest.raises(ValueError, match=r"CsvConfig\.delimiter must be one ASCII character"):
+        CsvConfig(delimiter=";;")
+    with pytest.raises(ValueError, match="delimiter"):
+        CsvConfig(delimiter='"')
+    with pytest.raises(ValueError, match="set header = false"):
+        CsvConfig(column_names=("a", "b"))
+    with pytest.raises(ValueError, match=r"needs CsvConfig\.column_names"):
+        CsvConfig(header=False)
+    with pytest.raises(ValueError, match=r"column_names repeats \['a'\]"):
+        CsvConfig(header=False, column_names=("a", "b", "a"))
+    with pytest.raises(ValueError, match="multi_hot_separator"):
+        CsvConfig(delimiter="|", multi_hot_separator="|")
+    with pytest.raises(ValueError, match=r"needs DataConfig\.sparse_columns"):
+        DataConfig(source="csv", train_path=("a.csv",))
+    with pytest.raises(ValueError, match=r"multi_hot_columns \['x'\] are not sparse_columns"):
+        DataConfig(source="csv", train_path="a", sparse_columns="u", csv={"multi_hot_columns": "x"})
+    with pytest.raises(ValueError, match=r"columns \['u'\] are not in csv.column_names"):
+        DataConfig(
+            source="csv",
+            train_path="a",
+            sparse_columns="u",
+            label_column="y",
+            csv={"header": False, "column_names": ["y", "v"]},
+        )
+    with pytest.raises(ValueError, match=r"uses columns \['u'\] more than once"):
+        ColumnMapping(label_column="y", dense_columns=("u",), sparse_columns=("u",))
+
+
+def test_build_datasets_reads_the_csv_source(tmp_path):
+    """The LOADERS registry entry passes the mapping, the csv settings and the policy."""
+    path = bad_file(tmp_path / "b.csv", "")
+    config = DataConfig(
+        source="csv",
+        train_path=str(path),
+        label_column="label",
+        dense_columns=("price", "qty"),
+        sparse_columns=("user", "tags", "city", "ids"),
+        csv={"multi_hot_columns": ["tags", "ids"]},
+        on_bad_line="skip",
+        train_rows=(0, 2),
+        eval_rows=(2, 3),
+    )
+    train, held_out = build_datasets(config, TABLES)
+    assert (train.num_samples, held_out.num_samples) == (2, 1)
+    assert train.bad_lines.skipped == 1
+    assert_same(held_out, dataset([write(tmp_path / "last.csv", ROWS[2:])]))
+
+
+@pytest.mark.skipif(not AVAZU.exists(), reason="shared Avazu sample not present")
+def test_avazu_sample():
+    """The real Avazu layout (header, gzip, hex strings and integers): every row read,
+    clicks as PROVENANCE.md counts them, 22 categorical features after dropping id."""
+    with gzip.open(AVAZU, "rt") as f:
+        names = f.readline().strip().split(",")
+        first = f.readline().strip().split(",")
+    sparse = tuple(c for c in names if c not in ("id", "click"))
+    assert len(sparse) == 22
+    assert sparse[0] == "hour"
+    tables = [TableConfig(name=c, num_embeddings=10_000, dim=4) for c in sparse]
+    ds = CsvDataset(
+        [AVAZU], mapping=ColumnMapping(label_column="click", sparse_columns=sparse), tables=tables
+    )
+    assert ds.num_samples == 8999
+    assert int(ds.labels.sum()) == 1563
+    assert ds.num_dense == 0
+    assert ds.bad_lines.skipped == 0
+    b = ds.read(np.arange(2))
+    row = dict(zip(names, first))
+    assert b.sparse.to_dict()["device_ip"][0][0].item() == row_of(row["device_ip"], 10_000)
+    assert b.sparse.to_dict()["hour"][0][0].item() == row_of(row["hour"], 10_000)
