@@ -141,6 +141,20 @@ def test_quoted_fields_crlf_bom_and_no_final_newline(tmp_path):
     ds = dataset([path])
     assert_same(ds, ref)
     assert ds.read(np.array([3])).sparse.to_dict()["user"][0].tolist() == [row_of("p,q", 100)]
+    headerless = tmp_path / "n.csv"  # the BOM is before the first row's label here
+    headerless.write_bytes(b"\xef\xbb\xbf" + "\n".join(",".join(r) for r in ROWS).encode())
+    csv = CsvConfig(header=False, column_names=NAMES, multi_hot_columns=("tags", "ids"))
+    assert_same(dataset([headerless], csv=csv), dataset([write(tmp_path / "r.csv", ROWS)]))
+
+
+def test_an_open_quote_ends_with_its_line(tmp_path):
+    """A quote left open swallows the newline in pyarrow; the reader must still give one
+    row per line, the quote closed at the line end, wherever the line sits (catches the
+    next line merged into the value, or the last line of a block read differently)."""
+    rows = [*ROWS, ROWS[0]]
+    ref = dataset([write(tmp_path / "ref.csv", rows)])
+    opened = [[*r[:-1], '"' + r[-1]] if i in (0, 3) else r for i, r in enumerate(rows)]
+    assert_same(dataset([write(tmp_path / "open.csv", opened)]), ref)
 
 
 BAD = [
