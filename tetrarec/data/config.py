@@ -163,7 +163,8 @@ class CsvConfig:
 
     Args:
         delimiter: the one ASCII character between fields (``","``, a tab,
-            ``";"``, ...); not a newline or ``"``, which quotes fields.
+            ``";"``, ...); not a newline or ``"``, which quotes fields. The two
+            characters backslash and ``t`` also mean a tab (for ``--set``).
         header: the first line of every file names its columns. Without a header,
             ``column_names`` names them.
         column_names: every column of a headerless file, in order (empty with a
@@ -186,6 +187,8 @@ class CsvConfig:
 
     def __post_init__(self) -> None:
         """Validate the fields (``ValueError`` names the field) and normalize them."""
+        if self.delimiter == "\\t":  # a tab, as typed in --set data.csv.delimiter=\t
+            object.__setattr__(self, "delimiter", "\t")
         d = self.delimiter
         if len(d) != 1 or not d.isascii() or d in _FORBIDDEN_DELIMITERS:
             raise ValueError(

@@ -261,6 +261,7 @@ def test_config_fields_are_validated():
         CsvConfig(delimiter=";;")
     with pytest.raises(ValueError, match="delimiter"):
         CsvConfig(delimiter='"')
+    assert CsvConfig(delimiter="\\t").delimiter == "\t"  # --set data.csv.delimiter=\t
     with pytest.raises(ValueError, match="set header = false"):
         CsvConfig(column_names=("a", "b"))
     with pytest.raises(ValueError, match=r"needs CsvConfig\.column_names"):
