@@ -128,7 +128,7 @@ def _bags(col: pa.ChunkedArray, path: Path, name: str) -> tuple[np.ndarray, np.n
     )
 
 
-def columns_of_table(
+def _columns_of_table(
     table: pa.Table, mapping: ColumnMapping, path: Path, first_row: int = 0
 ) -> MultiHotColumns:
     """The mapped columns of ``table`` (rows ``first_row + 1 ..`` of ``path``).
@@ -174,7 +174,7 @@ def iter_parquet_blocks(
     first_row = 0
     try:
         for batch in file.iter_batches(batch_size=_BATCH_ROWS, columns=list(mapping.columns)):
-            yield columns_of_table(pa.Table.from_batches([batch]), mapping, path, first_row)
+            yield _columns_of_table(pa.Table.from_batches([batch]), mapping, path, first_row)
             first_row += batch.num_rows
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"cannot read parquet data ({e})", path=path) from None
@@ -199,7 +199,7 @@ def read_parquet(paths: Sequence[str | Path], mapping: ColumnMapping) -> MultiHo
             table = file.read(columns=list(mapping.columns))
         except (pa.ArrowException, OSError) as e:
             raise DataError(f"cannot read parquet data ({e})", path=p) from None
-        parts.append(columns_of_table(table, mapping, p))
+        parts.append(_columns_of_table(table, mapping, p))
     return MultiHotColumns.concatenate(parts)
 
 
