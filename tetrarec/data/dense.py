@@ -326,19 +326,21 @@ class DenseTransform:
     def _apply_numpy(self, x: np.ndarray) -> np.ndarray:
         if self.is_identity:
             return np.ascontiguousarray(x, dtype=np.float32)
-        y = np.asarray(x, dtype=np.float64)
+        y = np.array(x, dtype=np.float64)  # our own copy, updated in place below
         log = np.array([k == DenseKind.LOG1P for k in self.kinds])
-        if log.all():  # Criteo's default: one vectorized call, as the reader once did
-            y = np.log1p(np.maximum(y, 0.0))
+        if log.all():  # Criteo's default: whole-array calls, as the reader once made
+            np.maximum(y, 0.0, out=y)
+            np.log1p(y, out=y)
         elif log.any():
-            y = y.copy()
             y[:, log] = np.log1p(np.maximum(y[:, log], 0.0))
         if DenseKind.STANDARDIZE in self.kinds:
             # mean 0 and std 1 elsewhere: (y - 0) / 1 is exactly y
-            y = (y - np.array(self.mean)) / np.array(self.std)
+            y -= np.array(self.mean)
+            y /= np.array(self.std)
         if self.clip is not None:
-            lo, hi = np.array(self.clip).T  # (D,) each
-            y = np.clip(y, lo, hi)
+            lo = np.array([c[0] for c in self.clip])  # (D,)
+            hi = np.array([c[1] for c in self.clip])  # (D,)
+            np.clip(y, lo, hi, out=y)
         out: np.ndarray = y.astype(np.float32)
         return out
 
@@ -351,8 +353,9 @@ class DenseTransform:
         if DenseKind.STANDARDIZE in self.kinds:
             y = (y - y.new_tensor(self.mean)) / y.new_tensor(self.std)
         if self.clip is not None:
-            bounds = y.new_tensor(self.clip)  # (D, 2)
-            y = torch.clamp(y, bounds[:, 0], bounds[:, 1])
+            lo = y.new_tensor([c[0] for c in self.clip])  # (D,)
+            hi = y.new_tensor([c[1] for c in self.clip])  # (D,)
+            y = torch.clamp(y, lo, hi)
         return y.to(torch.float32)
 
     def after(self, applied: DenseKind | str, where: str = "the data") -> DenseTransform:

@@ -22,7 +22,7 @@ from tetrarec.data import (
     dense_spec,
 )
 from tetrarec.train.build import build_parts, build_tables
-from tetrarec.train.checkpoint import read_checkpoint_meta
+from tetrarec.train.checkpoint import read_checkpoint
 from tetrarec.train.metrics import MetricAccumulator, Metrics, compute_metrics
 from tetrarec.train.state import load_dense_transform, load_model_state
 
@@ -82,7 +82,7 @@ def checkpoint_config(path: str | Path) -> RunConfig:
     Raises:
         FileNotFoundError: if ``path`` is not a checkpoint.
     """
-    return RunConfig.from_dict(read_checkpoint_meta(path)["config"])
+    return RunConfig.from_dict(read_checkpoint(path).meta["config"])
 
 
 def evaluate_checkpoint(

@@ -281,7 +281,11 @@ def restore_dense_transform(
     if saved is None:
         return train, held_out
     if saved != train.transform:
-        logger.info("%s: applying its saved dense transform", path)
+        logger.warning(
+            "the training data now gives other dense statistics than when %s was written; "
+            "resuming with the saved ones",
+            path,
+        )
     return train.with_transform(saved), held_out.with_transform(saved)
 
 

@@ -300,7 +300,8 @@ def test_config_fields_validate_parse_and_round_trip() -> None:
 
 
 def test_transform_round_trips_through_json_and_applies_the_same_on_tensors() -> None:
-    """Bugs caught: statistics rounded when saved, a tensor path with other numerics."""
+    """Bugs caught: statistics rounded when saved, a tensor path with other numerics, the
+    caller's float64 array transformed in place."""
     t = DenseTransform(
         columns=("a", "b", "c"),
         kinds=("log1p", "standardize", "none"),
@@ -313,6 +314,9 @@ def test_transform_round_trips_through_json_and_applies_the_same_on_tensors() ->
     x = np.random.default_rng(3).normal(0, 5, (64, 3)).astype(np.float32)
     ref = t.apply(x)
     assert ref.dtype == np.float32
+    x64 = x.astype(np.float64)
+    np.testing.assert_array_equal(t.apply(x64), ref)
+    np.testing.assert_array_equal(x64, x)  # the input is never changed in place
     assert torch.equal(t.apply(torch.from_numpy(x)), torch.from_numpy(ref))
     # the path a tensor on another device takes (torch ops in float64)
     torch.testing.assert_close(t._apply_torch(torch.from_numpy(x)), torch.from_numpy(ref))
