@@ -47,8 +47,12 @@ from _harness import (  # noqa: E402
 from tetrarec.data import (  # noqa: E402
     BatchLoader,
     ColumnsDataset,
+    DenseKind,
+    DenseSpec,
+    DenseTransform,
     SyntheticConfig,
     SyntheticDataset,
+    TransformedDataset,
     iter_criteo_blocks,
     open_binary,
     preprocess_criteo,
@@ -174,8 +178,13 @@ def main(argv: list[str] | None = None) -> None:
         results.append({"impl": "preprocess", "rows_per_s": rows / (time.perf_counter() - t0)})
         tables = [TableConfig(name=f"C{i}", num_embeddings=20_000, dim=16) for i in range(1, 27)]
         cols = open_binary(tmp / "bin")
-        binary = ColumnsDataset(
-            labels=cols.labels, dense=cols.dense, sparse=cols.sparse, tables=tables
+        # What training reads: the raw columns plus Criteo's default log1p at read time.
+        log1p = DenseSpec(
+            columns=tuple(f"I{i}" for i in range(1, 14)), kinds=(DenseKind.LOG1P,) * 13
+        )
+        binary = TransformedDataset(
+            ColumnsDataset(labels=cols.labels, dense=cols.dense, sparse=cols.sparse, tables=tables),
+            DenseTransform.without_statistics(log1p),
         )
         batches = max(1, min(rows // args.batch, 200))
         results.append(

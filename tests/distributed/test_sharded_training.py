@@ -43,6 +43,8 @@ TINY = (
     "sharding.timeout_s=30",
 )
 MIXED = "sharding.type=[row_wise, column_wise, data_parallel, table_wise]"
+# Fitted statistics (every rank must apply rank 0's; a resume must reuse the saved ones).
+DENSE = ("data.dense_transform=standardize", "data.dense_clip=[-1.5, 1.5]")
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +65,13 @@ def two_ranks(tmp_path_factory):
     ck = lambda name: f"train.checkpoint_dir={tmp / name}"  # noqa: E731
     scenarios = [
         Scenario("row_wise", (*TINY, "sharding.type=row_wise", "optim.sparse.kind=sgd")),
-        Scenario("mixed", (*TINY, MIXED)),
-        Scenario("straight", (*TINY, MIXED, "optim.sparse.kind=adam", "model.precision=fp16",
-                              "train.checkpoint_every=3", ck("straight"))),
-        Scenario("first_half", (*TINY, MIXED, "optim.sparse.kind=adam", "model.precision=fp16",
-                                "train.steps=3", ck("resumed"))),
-        Scenario("second_half", (*TINY, MIXED, "optim.sparse.kind=adam", "model.precision=fp16",
-                                 ck("resumed")), resume=True),
+        Scenario("mixed", (*TINY, MIXED, *DENSE)),
+        Scenario("straight", (*TINY, MIXED, *DENSE, "optim.sparse.kind=adam",
+                              "model.precision=fp16", "train.checkpoint_every=3", ck("straight"))),
+        Scenario("first_half", (*TINY, MIXED, *DENSE, "optim.sparse.kind=adam",
+                                "model.precision=fp16", "train.steps=3", ck("resumed"))),
+        Scenario("second_half", (*TINY, MIXED, *DENSE, "optim.sparse.kind=adam",
+                                 "model.precision=fp16", ck("resumed")), resume=True),
         Scenario("other_plan_on_resume", (*TINY, "sharding.type=row_wise", "optim.sparse.kind=adam",
                                           "model.precision=fp16", ck("resumed")), resume=True),
         Scenario("rank_1_other_config", TINY, rank_overrides=((1, ("optim.sparse.lr=0.2",)),)),
@@ -88,11 +90,12 @@ def one_process(*extra: str) -> dict:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    ("name", "extra"), [("row_wise", ("optim.sparse.kind=sgd",)), ("mixed", ())]
+    ("name", "extra"), [("row_wise", ("optim.sparse.kind=sgd",)), ("mixed", DENSE)]
 )
 def test_sharded_training_ends_with_one_process_metrics(two_ranks, name, extra):
     """Bugs caught: a rank's samples trained twice or never, dense gradients averaged
-    instead of summed (half the step), eval over rank 0's slice only."""
+    instead of summed (half the step), eval over rank 0's slice only, ranks fitting or
+    applying other dense statistics than one process."""
     results, _ = two_ranks
     ref = one_process(*extra)["final"]
     for rank, res in enumerate(results[name]):
@@ -117,6 +120,9 @@ def test_resuming_a_sharded_run_is_bitwise_equal_to_an_uninterrupted_one(two_ran
         assert ta.keys() == tb.keys(), f
         for k in ta:
             assert (ta[k] == tb[k]).all(), (f, k)
+    saved = [json.loads((d / "meta.json").read_text())["dense_transform"] for d in (a, b)]
+    assert saved[0] == saved[1]
+    assert saved[0]["kinds"] == ["standardize"] * 13
     meta = json.loads((a / "meta.json").read_text())["sharding"]
     plan = ShardingPlan.from_dict(meta["plan"])
     assert plan.fingerprint() == meta["fingerprint"]

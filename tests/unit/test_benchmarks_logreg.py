@@ -19,7 +19,7 @@ import torch
 from tetrarec.sparse import Batch, SparseFeatures
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from _logreg import _design, fit_logreg, tune_logreg  # noqa: E402
+from _logreg import _design, fit_logreg, tune_logreg
 
 
 def _batch(dense: np.ndarray, bags: list[list[list[int]]], labels: np.ndarray) -> Batch:
@@ -84,7 +84,8 @@ def test_fit_meets_the_optimality_conditions(c: float) -> None:
     assert abs(c * (p - y).sum()) < 1e-4 * c * f.rows
     # Columns no training row uses: the penalty alone acts on them, so they stay 0.
     unused = np.flatnonzero(np.abs(x).sum(0) == 0)
-    assert unused.size == 2 and np.all(fit.w.numpy()[unused] == 0)
+    assert unused.size == 2
+    assert np.all(fit.w.numpy()[unused] == 0)
 
 
 def test_stronger_regularization_shrinks_the_weights() -> None:
@@ -108,7 +109,8 @@ def test_tune_picks_the_best_validation_log_loss_and_refits_on_all_rows() -> Non
     tuned = tune_logreg(f, grid=grid, valid_fraction=0.25)
     assert set(tuned.valid) == set(grid)
     best = min(grid, key=lambda c: tuned.valid[c].log_loss)
-    assert tuned.c == best and best == 0.1  # neither the flattest nor the loosest fit
+    assert tuned.c == best
+    assert best == 0.1  # neither the flattest nor the loosest fit
     assert tuned.valid[best].num_samples == 100
     refit = fit_logreg(f, best)
     torch.testing.assert_close(tuned.fit.w, refit.w)

@@ -2,14 +2,18 @@
 
 One directory per dataset::
 
-    meta.json     {"format": "tetrarec-criteo", "version": 1, "rows": N, "files": [...],
+    meta.json     {"format": "tetrarec-criteo", "version": 2, "rows": N, "files": [...],
                    "bad_lines": {...}, "positives": P, ...}
     labels.npy    (N,)     float32   0/1
-    dense.npy     (N, 13)  float32   log(1 + max(x, 0)), missing -> 0
+    dense.npy     (N, 13)  float32   raw values, missing -> 0
     sparse.npy    (N, 26)  uint32    raw categorical values, missing -> 0
 
-The categoricals stay raw: ``hash_ids`` maps them into each table's rows at read time,
-so one preprocessed copy serves any table sizes. ``np.load(..., mmap_mode="r")`` opens
+Both stay raw: ``tetrarec.data.dense`` transforms the dense values and ``hash_ids``
+maps the categoricals into each table's rows at read time, so one preprocessed copy
+serves any transform and any table sizes. Version 1 (older tetrarec) stored the dense
+values as ``log(1 + max(x, 0))``; it is still read, with ``dense_applied = log1p``, so
+the default ``log1p`` is not applied twice and any other transform is refused with a
+message to re-run ``tetrarec preprocess``. ``np.load(..., mmap_mode="r")`` opens
 the columns without reading them. ``preprocess_criteo`` writes everything to a
 temporary directory beside ``output`` and renames it into place at the end, so an
 interrupted run never leaves a directory that looks complete.
@@ -32,7 +36,7 @@ from typing import BinaryIO
 import numpy as np
 from tqdm import tqdm
 
-from tetrarec.data.config import BadLinePolicy
+from tetrarec.data.config import BadLinePolicy, DenseKind
 from tetrarec.data.criteo import NUM_DENSE, NUM_SPARSE, iter_criteo_blocks
 from tetrarec.data.errors import BadLineSummary, BadLineTally, DataError, DataFileNotFoundError
 
@@ -48,7 +52,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "tetrarec-criteo"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: raw dense values; 1: log1p'd dense values (still read)
+# What the dense column of each readable version already went through.
+_DENSE_APPLIED = {1: DenseKind.LOG1P, 2: DenseKind.NONE}
 _HEADER_BYTES = 128  # fixed .npy header size, so the row count can be patched in at the end
 
 
@@ -164,7 +170,7 @@ def _write_meta(
         "positives": positives,
         "num_dense": NUM_DENSE,
         "num_sparse": NUM_SPARSE,
-        "dense": "float32 log(1 + max(x, 0)), missing -> 0",
+        "dense": "float32 raw value, missing -> 0; transformed at read time",
         "sparse": "uint32 raw hex value, missing -> 0; hashed at read time",
         "files": [{"path": p, "rows": n} for p, n in files],
         "bad_lines": bad.to_dict(),
@@ -231,7 +237,11 @@ def preprocess_criteo(
 
 @dataclass(frozen=True, kw_only=True)
 class BinaryColumns:
-    """The memory-mapped columns of a preprocessed directory (see the module docstring)."""
+    """The memory-mapped columns of a preprocessed directory (see the module docstring).
+
+    ``dense_applied`` is the transform the stored dense values already went through:
+    ``none`` (raw, format version 2) or ``log1p`` (format version 1).
+    """
 
     path: Path
     labels: np.ndarray
@@ -239,6 +249,7 @@ class BinaryColumns:
     sparse: np.ndarray
     meta: dict[str, object]
     bad_lines: BadLineSummary
+    dense_applied: DenseKind = DenseKind.NONE
 
     @property
     def rows(self) -> int:
@@ -267,8 +278,8 @@ def open_binary(path: str | Path) -> BinaryColumns:
 
     Raises:
         DataFileNotFoundError: if the directory or one of its files is missing.
-        DataError: if ``meta.json`` is not of this format and version, or a column's
-            shape disagrees with it.
+        DataError: if ``meta.json`` is not of this format and a readable version (1 or
+            2), or a column's shape disagrees with it.
     """
     path = Path(path)
     if not path.is_dir():
@@ -278,14 +289,16 @@ def open_binary(path: str | Path) -> BinaryColumns:
         raise DataFileNotFoundError(meta_path, "meta.json of preprocessed data")
     try:
         meta = json.loads(meta_path.read_text())
-        ok = meta.get("format") == FORMAT_NAME and meta.get("version") == FORMAT_VERSION
+        version = meta.get("version")
+        ok = meta.get("format") == FORMAT_NAME and version in _DENSE_APPLIED
         rows = int(meta["rows"])
     except (ValueError, KeyError, AttributeError) as e:
         raise DataError(f"unreadable meta.json ({e})", path=meta_path) from None
     if not ok:
         raise DataError(
-            f"not a {FORMAT_NAME} v{FORMAT_VERSION} directory (format={meta.get('format')!r}, "
-            f"version={meta.get('version')!r})",
+            f"not a {FORMAT_NAME} directory of a version this tetrarec reads "
+            f"({', '.join(f'v{v}' for v in _DENSE_APPLIED)}): format={meta.get('format')!r}, "
+            f"version={meta.get('version')!r}",
             path=meta_path,
         )
     bad = meta.get("bad_lines", {})
@@ -300,4 +313,5 @@ def open_binary(path: str | Path) -> BinaryColumns:
             counts=MappingProxyType(dict(bad.get("counts", {}))),
             examples=tuple(bad.get("examples", ())),
         ),
+        dense_applied=_DENSE_APPLIED[version],
     )

@@ -1,7 +1,9 @@
 """``build_datasets``: the (train, eval) datasets a ``DataConfig`` describes.
 
 One loader per source, in the ``LOADERS`` registry keyed by ``DataSource``; row ranges
-and the evaluation split are applied the same way for every file source.
+and the evaluation split are applied the same way for every file source. Loaders return
+raw dense values; both splits are then wrapped in a ``TransformedDataset`` with the
+dense transform fitted on the training split only (``tetrarec.data.dense``).
 """
 
 from __future__ import annotations
@@ -10,16 +12,17 @@ import logging
 from collections.abc import Callable, Sequence
 
 from tetrarec.data.binary import open_binary
-from tetrarec.data.config import DataConfig, DataSource
-from tetrarec.data.criteo import read_criteo
+from tetrarec.data.config import DataConfig, DataSource, DenseKind
+from tetrarec.data.criteo import DENSE_FIELDS, read_criteo
 from tetrarec.data.csv_source import CsvDataset
 from tetrarec.data.datasets import ColumnsDataset, Dataset, RowRange
+from tetrarec.data.dense import DenseSpec, DenseTransform, TransformedDataset
 from tetrarec.data.multi_hot import ColumnMapping
 from tetrarec.data.parquet import ParquetDataset
 from tetrarec.data.synthetic import SyntheticDataset
 from tetrarec.embedding.config import TableConfig
 
-__all__ = ["LOADERS", "build_datasets"]
+__all__ = ["LOADERS", "NATURAL_DENSE", "build_datasets", "dense_spec"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ def _load_binary(
         sparse=cols.sparse,
         tables=tables,
         bad_lines=cols.bad_lines,
+        dense_applied=cols.dense_applied,
     )
 
 
@@ -81,6 +85,36 @@ LOADERS: dict[
 }
 
 
+# The kind ``data.dense_transform = "auto"`` means per source; any other source: none.
+NATURAL_DENSE: dict[DataSource, DenseKind] = {
+    DataSource.CRITEO: DenseKind.LOG1P,
+    DataSource.BINARY: DenseKind.LOG1P,
+}
+
+
+def _dense_names(config: DataConfig, num_dense: int) -> tuple[str, ...]:
+    """The dense columns' names: Criteo's I1..I13, the mapped columns, or dense0..."""
+    if config.source in NATURAL_DENSE and num_dense == len(DENSE_FIELDS):
+        return DENSE_FIELDS
+    if len(config.dense_columns) == num_dense:
+        return config.dense_columns
+    return tuple(f"dense{i}" for i in range(num_dense))
+
+
+def dense_spec(config: DataConfig, num_dense: int) -> DenseSpec:
+    """The dense transform ``config`` asks for, for data with ``num_dense`` columns.
+
+    Raises:
+        ValueError: if ``data.dense_transform`` or ``data.dense_clip`` lists another
+            number of entries than the data's dense columns.
+    """
+    return DenseSpec.from_config(
+        config,
+        columns=_dense_names(config, num_dense),
+        default=NATURAL_DENSE.get(DataSource(config.source), DenseKind.NONE),
+    )
+
+
 def _rows(base: Dataset, rows: tuple[int, int] | None) -> Dataset:
     return base if rows is None else RowRange(base, *rows)
 
@@ -111,25 +145,57 @@ def _split_one_input(base: Dataset, config: DataConfig) -> tuple[Dataset, Datase
     return _rows(base, train_rows), _rows(base, eval_rows)
 
 
-def build_datasets(config: DataConfig, tables: Sequence[TableConfig]) -> tuple[Dataset, Dataset]:
+def build_datasets(
+    config: DataConfig,
+    tables: Sequence[TableConfig],
+    *,
+    dense: DenseTransform | None = None,
+) -> tuple[TransformedDataset, TransformedDataset]:
     """Build the training and evaluation datasets.
 
     Feature ``i`` of the data is ``feature_order(tables)[i]``; Criteo, binary, parquet
-    and csv categorical values are hashed into each feature's table ``num_embeddings``.
+    and csv categorical values are hashed into each feature's table ``num_embeddings``. The
+    dense transform (``data.dense_transform``, ``data.dense_clip``) is fitted on the
+    training split only, and applied to both.
 
     Args:
         config: the data configuration.
         tables: the model's tables.
+        dense: an already fitted transform (a checkpoint's) to apply instead of fitting
+            one; the config's dense fields are then not used.
 
     Returns:
-        ``(train, eval)``. File datasets carry ``bad_lines`` (a ``BadLineSummary``).
+        ``(train, eval)``, each with its ``transform``. File datasets carry
+        ``bad_lines`` (a ``BadLineSummary``).
 
     Raises:
         DataFileNotFoundError: if an input is missing.
-        DataError: for bad input data (see the readers).
-        ValueError: if the tables do not match the data's features, or a row range
-            does not fit the data.
+        DataError: for bad input data (see the readers), or a dense transform that the
+            stored values cannot give (binary format version 1).
+        ValueError: if the tables do not match the data's features, a row range does
+            not fit the data, or a per-column dense list does not fit its columns.
     """
+    train, held_out = _raw_datasets(config, tables)
+    train_where = ", ".join(config.train_path) or "the synthetic data"
+    eval_where = ", ".join(config.eval_path) or train_where
+    if dense is None:
+        spec = dense_spec(config, train.num_dense)
+        dense = DenseTransform.fit(train, spec, where=train_where)
+        if spec.needs_statistics:
+            stats = ", ".join(
+                f"{c} {m:.4g}+-{s:.4g}"
+                for c, k, m, s in zip(dense.columns, dense.kinds, dense.mean, dense.std)
+                if k == DenseKind.STANDARDIZE
+            )
+            logger.info("dense statistics of the %d training rows: %s", train.num_samples, stats)
+    return (
+        TransformedDataset(train, dense, where=train_where),
+        TransformedDataset(held_out, dense, where=eval_where),
+    )
+
+
+def _raw_datasets(config: DataConfig, tables: Sequence[TableConfig]) -> tuple[Dataset, Dataset]:
+    """``build_datasets`` before the dense transform: raw dense values."""
     if config.source == DataSource.SYNTHETIC:
         syn = config.synthetic
         if config.train_rows is not None or config.eval_rows is not None:

@@ -1,9 +1,9 @@
 """Frozen configuration of the data pipeline: ``DataConfig`` and ``SyntheticConfig``.
 
-Both are kw-only frozen dataclasses. String choices (``source``, ``on_bad_line``) are
-parsed into ``StrEnum`` members in ``__post_init__`` (a ``StrEnum`` compares equal to
-its string, so ``config.source == "synthetic"`` keeps working); lists given by a TOML
-file are normalized to tuples.
+Both are kw-only frozen dataclasses. String choices (``source``, ``on_bad_line``,
+``dense_transform``) are parsed into ``StrEnum`` members in ``__post_init__`` (a
+``StrEnum`` compares equal to its string, so ``config.source == "synthetic"`` keeps
+working); lists given by a TOML file are normalized to tuples.
 """
 
 from __future__ import annotations
@@ -13,7 +13,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-__all__ = ["BadLinePolicy", "CsvConfig", "DataConfig", "DataSource", "SyntheticConfig"]
+__all__ = [
+    "BadLinePolicy",
+    "CsvConfig",
+    "DataConfig",
+    "DataSource",
+    "DenseKind",
+    "SyntheticConfig",
+]
 
 
 _Choice = TypeVar("_Choice", bound=enum.StrEnum)
@@ -61,6 +68,84 @@ class BadLinePolicy(enum.StrEnum):
             ValueError: naming the valid values.
         """
         return _parse_choice(cls, value, "on_bad_line")
+
+
+class DenseKind(enum.StrEnum):
+    """What happens to one dense column before the model sees it (``tetrarec.data.dense``).
+
+    Every kind works on the column's raw values (missing values are 0); clipping, when
+    asked for, comes after it.
+    """
+
+    NONE = "none"  # the raw value
+    LOG1P = "log1p"  # log(1 + max(x, 0)): Criteo's transform for its counts
+    STANDARDIZE = "standardize"  # (x - mean) / std, over the training rows
+
+    @classmethod
+    def parse(cls, value: str | DenseKind) -> DenseKind:
+        """Return the member for ``value``.
+
+        Raises:
+            ValueError: naming the valid values.
+        """
+        return _parse_choice(cls, value, "data.dense_transform")
+
+
+AUTO_DENSE = "auto"  # DataConfig.dense_transform's default: the source's natural transform
+
+
+def _dense_kinds(value: object) -> DenseKind | tuple[DenseKind, ...] | str:
+    """``dense_transform`` normalized: ``"auto"``, one kind, or a tuple of kinds.
+
+    An override's text comes as one string; ``"log1p,none"`` or ``"[log1p, none]"``
+    (quotes allowed) is a list of kinds.
+    """
+    if isinstance(value, str) and ("," in value or value.startswith("[")):
+        value = [v.strip().strip("\"'") for v in value.strip("[]").split(",") if v.strip()]
+    if isinstance(value, str):
+        if value in (AUTO_DENSE, *DenseKind):
+            return AUTO_DENSE if value == AUTO_DENSE else DenseKind(value)
+        valid = ", ".join(repr(m.value) for m in DenseKind)
+        raise ValueError(
+            f"data.dense_transform must be 'auto' (the source's default), one of {valid}, or "
+            f"a list of those, one per dense column; got {value!r}"
+        )
+    if not isinstance(value, Iterable) or not value:
+        raise ValueError(
+            f"DataConfig.dense_transform must be 'auto', a kind or a non-empty list of kinds "
+            f"(one per dense column), got {value!r}"
+        )
+    return tuple(DenseKind.parse(v) for v in value)
+
+
+def _dense_clip(value: object) -> tuple[tuple[float, float], ...] | tuple[float, float] | None:
+    """``dense_clip`` normalized: ``None``, one ``(lo, hi)`` or a tuple of them."""
+    if value is None:
+        return None
+    bad = ValueError(
+        "DataConfig.dense_clip must be [lo, hi] (every column) or a list of [lo, hi], one "
+        f"per dense column (-inf and inf leave a side open), with lo < hi; got {value!r}"
+    )
+    if not isinstance(value, Iterable) or isinstance(value, str):
+        raise bad
+    items = list(value)
+    pairs = items if items and not isinstance(items[0], int | float) else [items]
+    out = []
+    for pair in pairs:
+        if isinstance(pair, str) or not isinstance(pair, Iterable):
+            raise bad
+        bounds = list(pair)
+        if len(bounds) != 2 or not all(
+            isinstance(b, int | float) and not isinstance(b, bool) for b in bounds
+        ):
+            raise bad
+        lo, hi = float(bounds[0]), float(bounds[1])
+        if not lo < hi:  # also refuses nan
+            raise bad
+        out.append((lo, hi))
+    if pairs is not items:  # one pair for every column
+        return out[0]
+    return tuple(out)
 
 
 def _positive(owner: str, **values: int | float) -> None:
@@ -240,6 +325,18 @@ class DataConfig:
             (parquet: integer, string or list columns; csv: any text, hashed with
             ``hash_strings``).
         label_column: parquet/csv column of the 0/1 label.
+        dense_transform: what the dense features go through before the model: ``"none"``
+            (raw values), ``"log1p"`` (``log(1 + max(x, 0))``), ``"standardize"``
+            (``(x - mean) / std`` of the raw values, with the mean and the standard
+            deviation of the training rows), or a list with one of these per dense
+            column. The default ``"auto"`` is the source's natural transform:
+            ``"log1p"`` for criteo and binary (Criteo's counts), ``"none"`` for the
+            others. Statistics are computed once from the training rows and saved in
+            every checkpoint; evaluation, resume and inference reuse them.
+        dense_clip: optional ``[lo, hi]`` applied to every dense column after the
+            transform, or a list of ``[lo, hi]``, one per column (``-inf``/``inf``
+            leave a side open). A list's length, like ``dense_transform``'s, is
+            checked against the data's dense columns when the data is loaded.
         synthetic: settings of the synthetic source.
         csv: how the csv source reads its files (delimiter, header or column names,
             multi-hot columns); see ``CsvConfig``.
@@ -261,6 +358,9 @@ class DataConfig:
     dense_columns: tuple[str, ...] = ()
     sparse_columns: tuple[str, ...] = ()
     label_column: str = "label"
+    # Dense features (tetrarec.data.dense): the transform and the optional clipping.
+    dense_transform: str | tuple[str, ...] = AUTO_DENSE
+    dense_clip: tuple[float, float] | tuple[tuple[float, float], ...] | None = None
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     # The csv source (issue 9): its reading settings, checked against the mapping below.
     csv: CsvConfig = field(default_factory=CsvConfig)
@@ -277,6 +377,8 @@ class DataConfig:
         _positive("DataConfig", batch_size=self.batch_size, eval_batch_size=self.eval_batch_size)
         if self.prefetch < 0:
             raise ValueError(f"DataConfig.prefetch must be >= 0, got {self.prefetch}")
+        object.__setattr__(self, "dense_transform", _dense_kinds(self.dense_transform))
+        object.__setattr__(self, "dense_clip", _dense_clip(self.dense_clip))
         if isinstance(self.synthetic, dict):
             object.__setattr__(self, "synthetic", SyntheticConfig(**self.synthetic))
         if source != DataSource.SYNTHETIC and not self.train_path:

@@ -7,8 +7,11 @@ Each line is 40 TAB-separated fields, no header, plain text or gzip::
            negative or empty   or empty
 
 Missing values become 0 (a missing dense value is 0 before the transform; a missing
-categorical is the raw value 0). The reader keeps the categoricals as raw ``uint32``
-values; ``tetrarec.data.transforms.hash_ids`` maps them into table rows at read time.
+categorical is the raw value 0). The reader keeps both raw: the dense values as float32
+(exact below ``2**24``; larger counts round to float32's 24-bit precision), the
+categoricals as ``uint32``. At read time ``tetrarec.data.dense`` transforms the dense
+values (``log(1 + max(x, 0))`` by default) and ``tetrarec.data.transforms.hash_ids``
+maps the categoricals into table rows.
 
 Parsing is block-wise: each block of whole lines (16 MiB) goes through pyarrow's CSV
 reader with the categoricals and the label as raw bytes, and the hex and label checks
@@ -44,7 +47,6 @@ from tetrarec.data.errors import (
     DataError,
     DataFileNotFoundError,
 )
-from tetrarec.data.transforms import dense_transform
 
 __all__ = [
     "DENSE_FIELDS",
@@ -89,7 +91,7 @@ class CriteoBlock:
 
     Args:
         labels: ``(n,)`` float32 in {0, 1}.
-        dense: ``(n, 13)`` float32, already ``log(1 + max(x, 0))``.
+        dense: ``(n, 13)`` float32 raw integer values (0 when missing; no transform).
         sparse: ``(n, 26)`` uint32 raw categorical values (0 when missing).
     """
 
@@ -276,13 +278,13 @@ def _parse_fast(block: bytes) -> CriteoBlock:
     if n != block.count(b"\n"):  # pyarrow also ends lines at a lone "\r"
         raise _BlockInvalidError
     labels = _label_column(table.column("label").combine_chunks())
-    dense_raw = np.empty((n, NUM_DENSE), dtype=np.int64)
+    dense = np.empty((n, NUM_DENSE), dtype=np.float32)
     for i, name in enumerate(DENSE_FIELDS):
-        dense_raw[:, i] = table.column(name).combine_chunks().fill_null(0).to_numpy()
+        dense[:, i] = table.column(name).combine_chunks().fill_null(0).to_numpy()  # int64
     sparse = np.empty((n, NUM_SPARSE), dtype=np.uint32)
     for i, name in enumerate(SPARSE_FIELDS):
         sparse[:, i] = _hex_column(table.column(name).combine_chunks())
-    return CriteoBlock(labels=labels, dense=dense_transform(dense_raw), sparse=sparse)
+    return CriteoBlock(labels=labels, dense=dense, sparse=sparse)
 
 
 def _parse_line(line: bytes, path: Path, lineno: int) -> tuple[int, list[int], list[int]]:
@@ -341,7 +343,7 @@ def _parse_slow(
         sparse.append(s)
     return CriteoBlock(
         labels=np.asarray(labels, dtype=np.float32),
-        dense=dense_transform(np.asarray(dense, dtype=np.int64).reshape(-1, NUM_DENSE)),
+        dense=np.asarray(dense, dtype=np.int64).reshape(-1, NUM_DENSE).astype(np.float32),
         sparse=np.asarray(sparse, dtype=np.uint32).reshape(-1, NUM_SPARSE),
     )
 

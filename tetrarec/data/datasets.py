@@ -2,6 +2,8 @@
 
 A dataset is random access: ``read(indices)`` returns the ``Batch`` of those rows, in
 that order. Loaders choose the rows (shuffling, rank slicing); datasets only read.
+Datasets return raw dense values; ``tetrarec.data.dense`` transforms them. A dataset
+whose stored dense values are already transformed says so in ``dense_applied``.
 """
 
 from __future__ import annotations
@@ -12,12 +14,21 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from tetrarec.data.config import DenseKind
 from tetrarec.data.errors import BadLineSummary, DataError
 from tetrarec.data.transforms import hash_ids
 from tetrarec.embedding.config import TableConfig, feature_order
 from tetrarec.sparse import Batch, SparseFeatures
 
-__all__ = ["ColumnsDataset", "Dataset", "RowRange", "check_indices", "table_rows_per_feature"]
+__all__ = [
+    "ColumnsDataset",
+    "Dataset",
+    "DenseRows",
+    "RowRange",
+    "check_indices",
+    "read_dense_rows",
+    "table_rows_per_feature",
+]
 
 
 @runtime_checkable
@@ -37,6 +48,26 @@ class Dataset(Protocol):
     def read(self, indices: np.ndarray) -> Batch:
         """The batch of rows ``indices`` (any order, repeats allowed), in that order."""
         ...
+
+
+@runtime_checkable
+class DenseRows(Protocol):
+    """A dataset that reads a contiguous range of raw dense rows cheaply (no sparse part)."""
+
+    def read_dense(self, start: int, stop: int) -> np.ndarray:
+        """``(stop - start, num_dense)`` raw dense values of rows ``[start, stop)``."""
+        ...
+
+
+def read_dense_rows(dataset: Dataset, start: int, stop: int) -> np.ndarray:
+    """Raw dense values of rows ``[start, stop)`` of ``dataset``, ``(stop - start, D)``.
+
+    Uses ``read_dense`` when the dataset has it (a slice of memory-mapped columns),
+    else ``read`` (which also builds the sparse part).
+    """
+    if isinstance(dataset, DenseRows):
+        return dataset.read_dense(start, stop)
+    return dataset.read(np.arange(start, stop, dtype=np.int64)).dense.numpy()
 
 
 def check_indices(indices: np.ndarray, num_samples: int) -> np.ndarray:
@@ -78,10 +109,12 @@ class ColumnsDataset:
 
     Args:
         labels: ``(N,)`` float32.
-        dense: ``(N, D)`` float32.
+        dense: ``(N, D)`` float32 raw values (missing -> 0).
         sparse: ``(N, F)`` raw integer categorical values.
         tables: the model's tables; feature ``i`` is ``feature_order(tables)[i]``.
         bad_lines: the summary of lines skipped while reading, if any.
+        dense_applied: the transform ``dense`` already went through (``log1p`` for a
+            binary directory of format version 1), ``none`` for raw values.
     """
 
     def __init__(
@@ -92,8 +125,10 @@ class ColumnsDataset:
         sparse: np.ndarray,
         tables: Sequence[TableConfig],
         bad_lines: BadLineSummary | None = None,
+        dense_applied: DenseKind = DenseKind.NONE,
     ) -> None:
         self.labels, self.dense, self.sparse = labels, dense, sparse
+        self.dense_applied = DenseKind(dense_applied)
         self.num_samples = int(labels.shape[0])
         self.num_dense = int(dense.shape[1])
         self.keys = feature_order(list(tables))
@@ -124,6 +159,11 @@ class ColumnsDataset:
         labels = torch.from_numpy(np.ascontiguousarray(self.labels[idx], dtype=np.float32))
         return Batch(dense, sparse, labels)
 
+    def read_dense(self, start: int, stop: int) -> np.ndarray:
+        """Dense rows ``[start, stop)``: a slice of the (memory-mapped) column."""
+        dense: np.ndarray = self.dense[start:stop]
+        return dense
+
 
 class RowRange:
     """Rows ``[start, stop)`` of another dataset, renumbered from 0.
@@ -142,7 +182,14 @@ class RowRange:
         self.num_dense = base.num_dense
         self.keys = base.keys
         self.bad_lines: BadLineSummary | None = getattr(base, "bad_lines", None)
+        self.dense_applied = DenseKind(getattr(base, "dense_applied", DenseKind.NONE))
 
     def read(self, indices: np.ndarray) -> Batch:
         """The batch of rows ``indices`` of the range."""
         return self.base.read(check_indices(indices, self.num_samples) + self.start)
+
+    def read_dense(self, start: int, stop: int) -> np.ndarray:
+        """Dense rows ``[start, stop)`` of the range (``read_dense_rows`` of the base)."""
+        if not 0 <= start <= stop <= self.num_samples:
+            raise ValueError(f"rows [{start}, {stop}) are not inside [0, {self.num_samples})")
+        return read_dense_rows(self.base, start + self.start, stop + self.start)

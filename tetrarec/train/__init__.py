@@ -10,6 +10,7 @@ from tetrarec.train.optim import RowWiseAdagrad, build_dense_optimizer, build_sp
 from tetrarec.train.schedule import lr_scale
 from tetrarec.train.state import (
     NonFiniteStateError,
+    load_dense_transform,
     load_model_state,
     load_run_state,
     save_run_state,
@@ -33,6 +34,7 @@ __all__ = [
     "evaluate",
     "evaluate_checkpoint",
     "latest_checkpoint",
+    "load_dense_transform",
     "load_model_state",
     "load_run_state",
     "lr_scale",

@@ -46,6 +46,7 @@ __all__ = [
     "prune_checkpoints",
     "rank_file",
     "read_checkpoint",
+    "read_checkpoint_meta",
     "read_rank_tensors",
     "restore_rng_state",
     "unflatten_optimizer_state",
@@ -211,12 +212,12 @@ def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
     return doomed
 
 
-def read_checkpoint(path: str | Path) -> CheckpointData:
-    """Read a checkpoint directory written by ``write_checkpoint``.
+def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
+    """The ``meta.json`` of a checkpoint, without reading its tensors.
 
     Raises:
         FileNotFoundError: if ``path`` is not a complete checkpoint.
-        ValueError: if its format version is unknown, or a file is damaged (naming it).
+        ValueError: if its format version is unknown, or the file is damaged.
     """
     path = Path(path)
     if not (path / _META).is_file() or not (path / _TENSORS).is_file():
@@ -225,11 +226,25 @@ def read_checkpoint(path: str | Path) -> CheckpointData:
         meta = json.loads((path / _META).read_text())
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise ValueError(f"{path / _META}: damaged checkpoint metadata ({e})") from e
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path / _META}: damaged checkpoint metadata (not a JSON object)")
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(
             f"{path}: checkpoint format {meta.get('format')!r}, this tetrarec reads "
             f"{CHECKPOINT_FORMAT}"
         )
+    return meta
+
+
+def read_checkpoint(path: str | Path) -> CheckpointData:
+    """Read a checkpoint directory written by ``write_checkpoint``.
+
+    Raises:
+        FileNotFoundError: if ``path`` is not a complete checkpoint.
+        ValueError: if its format version is unknown, or a file is damaged (naming it).
+    """
+    path = Path(path)
+    meta = read_checkpoint_meta(path)
     try:
         tensors = load_file(str(path / _TENSORS))
     except SafetensorError as e:

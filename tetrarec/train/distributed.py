@@ -9,7 +9,9 @@ each calls ``train``, which, seeing a launch of several ranks, does::
        with another config stops every rank with the keys that differ)
     3. make the plan (sharding.plan, or sharding.type placed by bytes) and check it
        against the tables and the world
-    4. build the model with its tables described on the meta device, then
+    4. build the datasets (``run_datasets``): every rank fits the dense transform on
+       the training rows, then all take rank 0's statistics
+    5. build the model with its tables described on the meta device, then
        ``shard_model``: each rank builds only its blocks; the dense part trains under
        DistributedDataParallel
 """
@@ -22,6 +24,7 @@ import torch
 
 from tetrarec.comm import LaunchInfo, init_from_env, second_group
 from tetrarec.config import RunConfig
+from tetrarec.data import DenseTransform, TransformedDataset, build_datasets
 from tetrarec.sharding import (
     ShardingEnv,
     ShardingPlan,
@@ -32,7 +35,7 @@ from tetrarec.sharding import (
 from tetrarec.train.build import RunParts, build_parts, build_tables, model_embeddings
 from tetrarec.types import ShardingType
 
-__all__ = ["make_plan", "sharded_parts", "sharding_env"]
+__all__ = ["make_plan", "run_datasets", "sharded_parts", "sharding_env"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,35 @@ def sharding_env(config: RunConfig, launch: LaunchInfo) -> ShardingEnv:
                 "takes an equal slice of the global batch"
             )
     return env
+
+
+def run_datasets(
+    config: RunConfig, env: ShardingEnv | None
+) -> tuple[TransformedDataset, TransformedDataset]:
+    """The run's ``(train, eval)`` datasets; on several ranks, with identical dense statistics.
+
+    Every rank fits the dense transform over the same training rows in the same chunks,
+    which gives the same numbers on machines of one kind; float reductions may differ
+    in the last bit between CPU kinds, so every rank then takes rank 0's statistics
+    (one small all-gather, a collective every rank calls) and all ranks feed the model
+    bitwise the same dense inputs.
+
+    Raises:
+        ValueError, DataError: see ``build_datasets``.
+    """
+    train, held_out = build_datasets(config.data, build_tables(config.model))
+    if env is None or env.world_size == 1:
+        return train, held_out
+    every = env.comm.all_gather_json(train.transform.to_dict(), label="dense_transform")
+    first = DenseTransform.from_dict(every[0])
+    if first != train.transform:
+        logger.warning(
+            "rank %d fitted other dense statistics than rank 0 (%s vs %s); using rank 0's",
+            env.rank,
+            train.transform.to_dict(),
+            every[0],
+        )
+    return train.with_transform(first), held_out.with_transform(first)
 
 
 def make_plan(config: RunConfig, env: ShardingEnv) -> ShardingPlan:

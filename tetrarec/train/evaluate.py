@@ -10,11 +10,21 @@ import torch
 
 from tetrarec.comm import Communicator
 from tetrarec.config import RunConfig
-from tetrarec.data import LOADERS, BatchLoader, Dataset, DataSource, RowRange, build_datasets
+from tetrarec.data import (
+    LOADERS,
+    BatchLoader,
+    Dataset,
+    DataSource,
+    DenseTransform,
+    RowRange,
+    TransformedDataset,
+    build_datasets,
+    dense_spec,
+)
 from tetrarec.train.build import build_parts, build_tables
 from tetrarec.train.checkpoint import read_checkpoint
 from tetrarec.train.metrics import MetricAccumulator, Metrics, compute_metrics
-from tetrarec.train.state import load_model_state
+from tetrarec.train.state import load_dense_transform, load_model_state
 
 __all__ = ["checkpoint_config", "evaluate", "evaluate_checkpoint"]
 
@@ -83,13 +93,17 @@ def evaluate_checkpoint(
 ) -> Metrics:
     """Rebuild the model saved in checkpoint ``path`` and evaluate it.
 
+    The dense features go through the transform saved in the checkpoint (fitted on the
+    run's training rows), never one refitted on the evaluated data.
+
     Args:
         path: a checkpoint directory (``<checkpoint_dir>/step_<n>``).
         data: input files (or a directory for ``binary``) of the run's ``data.source``
             to evaluate on, all rows unless ``data.eval_rows`` is set (by an override);
             empty evaluates on the run's own evaluation split.
         overrides: dotted config overrides of the run's config (for example
-            ``"data.source=criteo"`` or ``"data.eval_rows=[0, 1000]"``).
+            ``"data.source=criteo"`` or ``"data.eval_rows=[0, 1000]"``); the dense
+            transform is the checkpoint's whatever ``data.dense_*`` says.
 
     Returns:
         The metrics over every evaluated row.
@@ -103,6 +117,7 @@ def evaluate_checkpoint(
         config = config.with_overrides(["data.train_rows=none", "data.eval_rows=none"])
     config = config.with_overrides(list(overrides))
     tables = build_tables(config.model)
+    saved = load_dense_transform(path)
     if data:
         load = LOADERS.get(DataSource(config.data.source))
         if load is None:
@@ -114,9 +129,12 @@ def evaluate_checkpoint(
         # Only the given inputs are read (build_datasets would also load a train split).
         base = load(tuple(data), config.data, tables)
         rows = config.data.eval_rows
-        eval_ds = base if rows is None else RowRange(base, *rows)
+        raw = base if rows is None else RowRange(base, *rows)
+        if saved is None:  # an older checkpoint: the source's default, no statistics
+            saved = DenseTransform.without_statistics(dense_spec(config.data, raw.num_dense))
+        eval_ds: Dataset = TransformedDataset(raw, saved, where=", ".join(data))
     else:
-        _, eval_ds = build_datasets(config.data, tables)
+        _, eval_ds = build_datasets(config.data, tables, dense=saved)
     parts = build_parts(config, num_dense=eval_ds.num_dense)
     load_model_state(path, parts.model)
     logger.info("evaluating %s on %d rows", path, eval_ds.num_samples)

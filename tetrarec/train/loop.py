@@ -34,17 +34,17 @@ from tqdm import tqdm
 
 from tetrarec.comm import LaunchInfo, destroy, is_joined
 from tetrarec.config import RunConfig, TrainConfig
-from tetrarec.data import BatchLoader, build_datasets
+from tetrarec.data import BatchLoader
 from tetrarec.kernels import build_cpu_kernels
 from tetrarec.sparse import Batch
-from tetrarec.train.build import RunParts, build_parts, build_tables, model_embeddings
+from tetrarec.train.build import RunParts, build_parts, model_embeddings
 from tetrarec.train.checkpoint import latest_checkpoint
-from tetrarec.train.distributed import sharded_parts, sharding_env
+from tetrarec.train.distributed import run_datasets, sharded_parts, sharding_env
 from tetrarec.train.evaluate import evaluate
 from tetrarec.train.metrics import Metrics
 from tetrarec.train.optim import set_learning_rate
 from tetrarec.train.schedule import lr_scale
-from tetrarec.train.state import load_run_state, save_run_state
+from tetrarec.train.state import load_run_state, restore_dense_transform, save_run_state
 
 __all__ = ["NonFiniteLossError", "TrainResult", "train"]
 
@@ -188,7 +188,7 @@ class _Run:
         if self.env is None and (config.sharding.type or config.sharding.plan):
             logger.info("one process: the [sharding] section applies to torchrun launches")
         self.rank, self.world = (self.env.rank, self.env.world_size) if self.env else (0, 1)
-        self.train_ds, self.eval_ds = build_datasets(config.data, build_tables(config.model))
+        self.train_ds, self.eval_ds = run_datasets(config, self.env)
         if self.env is not None:
             self.parts: RunParts = sharded_parts(
                 config, self.env, num_dense=self.train_ds.num_dense
@@ -214,6 +214,7 @@ class _Run:
         if path is None:
             raise ValueError(f"resume: no checkpoint in train.checkpoint_dir={root!r}")
         self.step, position = load_run_state(path, self.parts)
+        self.train_ds, self.eval_ds = restore_dense_transform(path, self.train_ds, self.eval_ds)
         if position != self.step:
             raise ValueError(f"{path}: data position {position} differs from step {self.step}")
         if self.step > self.config.train.steps:
@@ -351,6 +352,7 @@ class _Run:
             step=self.step,
             config=self.config,
             keep=tc.keep_checkpoints,
+            dense=self.train_ds.transform,
         )
         logger.info("checkpoint %s", self.last_checkpoint)
 

@@ -12,17 +12,22 @@ Tensor names in ``tensors.safetensors``::
     rng.torch|numpy|python    RNG states
 
 ``meta.json`` holds the step, the data position (the global batch number the next step
-reads), the run config and the non-tensor parts of the optimizer and RNG states.
+reads), the run config, the fitted dense transform (``dense_transform``: per-column
+kind, training-row mean and standard deviation, clipping; see ``tetrarec.data.dense``)
+and the non-tensor parts of the optimizer and RNG states. Evaluation and resume apply
+the saved dense transform; they never refit it on whatever data they are given.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tetrarec.config import RunConfig
+from tetrarec.data import DenseTransform, TransformedDataset
 from tetrarec.sharding import ShardedEmbeddingBagCollection
 from tetrarec.train.build import RunParts, model_embeddings
 from tetrarec.train.checkpoint import (
@@ -31,6 +36,7 @@ from tetrarec.train.checkpoint import (
     flatten_optimizer_state,
     prune_checkpoints,
     read_checkpoint,
+    read_checkpoint_meta,
     read_rank_tensors,
     restore_rng_state,
     unflatten_optimizer_state,
@@ -38,7 +44,16 @@ from tetrarec.train.checkpoint import (
     write_sharded_checkpoint,
 )
 
-__all__ = ["NonFiniteStateError", "load_model_state", "load_run_state", "save_run_state"]
+__all__ = [
+    "NonFiniteStateError",
+    "load_dense_transform",
+    "load_model_state",
+    "load_run_state",
+    "restore_dense_transform",
+    "save_run_state",
+]
+
+logger = logging.getLogger(__name__)
 
 _EMB = "embeddings."
 
@@ -61,8 +76,22 @@ def save_run_state(
     config: RunConfig,
     keep: int,
     extra_meta: dict[str, Any] | None = None,
+    dense: DenseTransform | None = None,
 ) -> Path:
     """Checkpoint ``parts`` after ``step`` steps into ``root``; keep the ``keep`` newest.
+
+    Args:
+        root: the checkpoint directory of the run.
+        parts: the model and its optimizers.
+        step: steps done.
+        config: the run's config (saved, so the checkpoint alone rebuilds the model).
+        keep: how many checkpoints to keep.
+        extra_meta: more JSON values for ``meta.json``.
+        dense: the run's fitted dense transform (``train_ds.transform``), saved so that
+            evaluation and resume apply the training statistics.
+
+    Returns:
+        The checkpoint's path.
 
     Raises:
         NonFiniteStateError: if a weight or optimizer state is not finite (the previous
@@ -77,6 +106,8 @@ def save_run_state(
         "dense_optim": dense_j,
         **(extra_meta or {}),
     }
+    if dense is not None:
+        meta["dense_transform"] = dense.to_dict()
     sp_t, sp_j = flatten_optimizer_state(parts.sparse_optimizer.state_dict(), "sparse_optim")
     tensors.update(sp_t)
     meta["sparse_optim"] = sp_j
@@ -212,6 +243,50 @@ def load_run_state(path: str | Path, parts: RunParts) -> tuple[int, int]:
         ) from e
     restore_rng_state(data.tensors, rank_meta["rng"] if rank_meta else data.meta["rng"])
     return data.step, int(data.meta["data_position"])
+
+
+def load_dense_transform(path: str | Path) -> DenseTransform | None:
+    """The dense transform saved in checkpoint ``path``; ``None`` if it holds none.
+
+    Checkpoints written before dense transforms were saved hold none; their runs used
+    the source's default transform, which needs no statistics.
+
+    Raises:
+        FileNotFoundError: if ``path`` is not a checkpoint.
+        ValueError: if the saved transform is malformed.
+    """
+    saved = read_checkpoint_meta(path).get("dense_transform")
+    if saved is None:
+        return None
+    try:
+        return DenseTransform.from_dict(saved)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+
+
+def restore_dense_transform(
+    path: str | Path, train: TransformedDataset, held_out: TransformedDataset
+) -> tuple[TransformedDataset, TransformedDataset]:
+    """``(train, held_out)`` with the dense transform saved in checkpoint ``path``.
+
+    A resumed run applies the statistics it trained with, not ones refitted on the
+    data it finds now, so it continues bitwise as if never interrupted. A checkpoint
+    without a saved transform leaves the datasets as they are.
+
+    Raises:
+        ValueError: if the saved transform does not fit the data's dense columns.
+        DataError: if the data cannot give the saved transform (old binary format).
+    """
+    saved = load_dense_transform(path)
+    if saved is None:
+        return train, held_out
+    if saved != train.transform:
+        logger.warning(
+            "the training data now gives other dense statistics than when %s was written; "
+            "resuming with the saved ones",
+            path,
+        )
+    return train.with_transform(saved), held_out.with_transform(saved)
 
 
 def _check_same_layout(data: CheckpointData, parts: RunParts, path: str | Path) -> None:

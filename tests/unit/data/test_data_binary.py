@@ -47,7 +47,7 @@ def test_preprocess_round_trip_equals_raw_read(tmp_path):
     assert np.load(out / "sparse.npy").shape == (37, 26)
     meta = json.loads((out / "meta.json").read_text())
     assert meta["format"] == "tetrarec-criteo"
-    assert meta["version"] == 1
+    assert meta["version"] == 2  # 2: raw dense values
     assert meta["rows"] == 37
     assert [f["rows"] for f in meta["files"]] == [30, 7]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.tsv", "b.tsv", "out"]  # no temp dir

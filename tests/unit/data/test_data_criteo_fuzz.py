@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from tetrarec.data import BadLineReason, DataError, dense_transform, read_criteo
+from tetrarec.data import BadLineReason, DataError, read_criteo
 from tetrarec.data import criteo as criteo_mod
 
 # Written out, not imported: the names a user reads in the error message.
@@ -181,7 +181,8 @@ CASES = (
 
 def expected_arrays(rows: list[Row]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     labels = np.array([r.label for r in rows], dtype=np.float32)
-    dense = dense_transform(np.array([r.dense for r in rows], dtype=np.int64).reshape(-1, 13))
+    # The reader keeps dense values raw (float32); the transform comes at read time.
+    dense = np.array([r.dense for r in rows], dtype=np.int64).reshape(-1, 13).astype(np.float32)
     cats = np.array([r.cats for r in rows], dtype=np.uint32).reshape(-1, 26)
     return labels, dense, cats
 

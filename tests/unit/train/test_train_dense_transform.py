@@ -1,0 +1,161 @@
+"""The fitted dense transform travels with the checkpoint: resume and evaluation reuse it."""
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from tetrarec.config import RunConfig
+from tetrarec.data import (
+    DenseSpec,
+    DenseTransform,
+    ParquetDataset,
+    TransformedDataset,
+    build_datasets,
+)
+from tetrarec.train import (
+    build_parts,
+    build_tables,
+    evaluate,
+    evaluate_checkpoint,
+    latest_checkpoint,
+    load_model_state,
+    read_checkpoint,
+    train,
+)
+
+ROWS, TRAIN = 320, 256
+
+
+def write_data(path: Path, *, seed: int = 0, age_scale: float = 1.0, rows=ROWS) -> Path:
+    """An age and a calendar year (very different scales) that drive the label."""
+    rng = np.random.default_rng(seed)
+    age = rng.integers(18, 90, rows).astype(float)
+    year = rng.integers(1950, 2020, rows).astype(float)
+    logit = (age - 50) / 15 - (year - 1985) / 20
+    label = (rng.random(rows) < 1 / (1 + np.exp(-logit))).astype(int)
+    age[:TRAIN] *= age_scale  # only the training rows change
+    ids = rng.integers(0, 1000, (2, rows))
+    pq.write_table(
+        pa.table({"y": label, "age": age, "year": year, "c0": ids[0], "c1": ids[1]}), path
+    )
+    return path
+
+
+def config(data: Path, ckpt: Path, *extra: str) -> RunConfig:
+    return RunConfig().with_overrides(
+        [
+            "data.source=parquet",
+            f"data.train_path={data}",
+            "data.dense_columns=[age, year]",
+            "data.sparse_columns=[c0, c1]",
+            "data.label_column=y",
+            f"data.train_rows=[0, {TRAIN}]",
+            "data.dense_transform=standardize",
+            "data.dense_clip=[-3, 3]",
+            "data.batch_size=32",
+            "data.eval_batch_size=64",
+            "data.prefetch=1",
+            "model.num_sparse=2",
+            "model.dlrm.num_dense=2",
+            "model.num_embeddings=[30, 30]",
+            "model.dlrm.bottom_mlp=[8, 4]",
+            "model.dlrm.top_mlp=[8, 1]",
+            "optim.dense=adam",
+            "optim.dense_lr=0.05",
+            "train.progress=false",
+            "train.deterministic=true",
+            "train.log_every=0",
+            f"train.checkpoint_dir={ckpt}",
+            *extra,
+        ]
+    )
+
+
+def test_resume_is_bitwise_and_the_checkpoint_holds_the_training_statistics(tmp_path) -> None:
+    """Bugs caught: statistics missing from the checkpoint, or fitted on other rows than
+    the training rows; a resumed run feeding other dense inputs than an uninterrupted one."""
+    data = write_data(tmp_path / "d.parquet")
+    straight = train(config(data, tmp_path / "a", "train.steps=6"))
+    train(config(data, tmp_path / "b", "train.steps=3"))
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    resumed = train(config(data, tmp_path / "b", "train.steps=6"), resume=True)
+    assert resumed.start_step == 3
+    a = read_checkpoint(latest_checkpoint(tmp_path / "a"))
+    b = read_checkpoint(latest_checkpoint(tmp_path / "b"))
+    for name, tensor in a.tensors.items():
+        assert torch.equal(tensor, b.tensors[name]), name
+    assert resumed.final == straight.final
+    saved = DenseTransform.from_dict(a.meta["dense_transform"])
+    assert saved == DenseTransform.from_dict(b.meta["dense_transform"])
+    table = pq.read_table(data)
+    raw = np.stack([table["age"].to_numpy(), table["year"].to_numpy()], 1)[:TRAIN]
+    np.testing.assert_allclose(saved.mean, raw.mean(0), rtol=1e-12)
+    np.testing.assert_allclose(saved.std, raw.std(0), rtol=1e-12)
+    assert saved.clip == ((-3.0, 3.0), (-3.0, 3.0))
+    assert saved.columns == ("age", "year")
+
+
+def test_resume_and_evaluation_use_the_saved_statistics_never_a_refit(tmp_path) -> None:
+    """Bug caught: statistics refitted from whatever the data files hold now (here the
+    training rows changed after the checkpoint; the evaluation rows did not)."""
+    data = write_data(tmp_path / "d.parquet")
+    result = train(config(data, tmp_path / "ck", "train.steps=3"))
+    ckpt = result.checkpoint
+    write_data(data, age_scale=3.0)  # same eval rows, other training rows
+    cfg = config(data, tmp_path / "ck", "train.steps=3")
+    refit, _ = build_datasets(cfg.data, build_tables(cfg.model))
+    saved = DenseTransform.from_dict(read_checkpoint(ckpt).meta["dense_transform"])
+    assert refit.transform != saved  # a refit would change the inputs
+    assert evaluate_checkpoint(ckpt) == result.final
+    resumed = train(cfg, resume=True)  # no step left: evaluates with the restored inputs
+    assert resumed.start_step == 3
+    assert resumed.final == result.final
+
+
+def test_evaluate_checkpoint_on_other_data_applies_the_saved_statistics(tmp_path) -> None:
+    """Bugs caught: evaluation data standardized with its own statistics (the other file
+    has other means), or fed raw."""
+    data = write_data(tmp_path / "d.parquet")
+    result = train(config(data, tmp_path / "ck", "train.steps=3"))
+    other = write_data(tmp_path / "other.parquet", seed=5, rows=100)
+    got = evaluate_checkpoint(result.checkpoint, data=[str(other)])
+    cfg = config(data, tmp_path / "ck")
+    parts = build_parts(cfg, num_dense=2)
+    meta = load_model_state(result.checkpoint, parts.model)
+    saved = DenseTransform.from_dict(meta["dense_transform"])
+    raw = ParquetDataset(
+        [other],
+        dense_columns=("age", "year"),
+        sparse_columns=("c0", "c1"),
+        label_column="y",
+        tables=build_tables(cfg.model),
+    )
+    with_saved = evaluate(parts.model, TransformedDataset(raw, saved), batch_size=64)
+    assert got == with_saved
+    own = DenseTransform.fit(
+        raw, DenseSpec(columns=saved.columns, kinds=saved.kinds, clip=saved.clip)
+    )
+    assert got != evaluate(parts.model, TransformedDataset(raw, own), batch_size=64)
+
+
+def test_checkpoint_without_saved_statistics_evaluates_with_the_source_default(
+    tmp_path,
+) -> None:
+    """Checkpoints written before statistics were saved (their runs used the source's
+    default transform) still evaluate, on their own split and on other files."""
+    data = write_data(tmp_path / "d.parquet")
+    result = train(
+        config(data, tmp_path / "ck", "train.steps=2", "data.dense_transform=auto",
+               "data.dense_clip=none")
+    )  # fmt: skip
+    meta_path = Path(result.checkpoint) / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta.pop("dense_transform")["kinds"] == ["none", "none"]
+    meta_path.write_text(json.dumps(meta))
+    assert evaluate_checkpoint(result.checkpoint) == result.final
+    assert evaluate_checkpoint(result.checkpoint, data=[str(data)]).num_samples == ROWS
