@@ -329,7 +329,8 @@ def test_dropout_resumes_bitwise_and_epochs_set_the_steps(tmp_path) -> None:
     for bit: the masks come from the checkpointed torch RNG. Bugs caught: masks from a
     generator the checkpoint does not hold, or reseeded at resume, and dropout that
     never acts (the weights would equal those of a run without it). The resumed run
-    sets its length in epochs: 1.25 epochs of 4 batches are 5 steps."""
+    sets its length in epochs: 1.25 epochs of 4 batches are 5 steps. The run without
+    dropout keeps its best with evaluations only at the end: the final one is best."""
     base = ["train.threads=1", "model.dlrm.dropout=0.3", "model.dlrm.top_mlp=[8, 8, 1]"]
     straight = train(tiny(tmp_path / "a", *base, "train.steps=5"))
     train(tiny(tmp_path / "b", *base, "train.steps=3"))
@@ -341,8 +342,19 @@ def test_dropout_resumes_bitwise_and_epochs_set_the_steps(tmp_path) -> None:
     for name, tensor in a.tensors.items():
         assert torch.equal(tensor, b.tensors[name]), name
     assert resumed.final == straight.final
-    train(tiny(tmp_path / "c", "train.threads=1", "model.dlrm.top_mlp=[8, 8, 1]", "train.steps=5"))
+    # without dropout (and with keep_best but no eval_every: the final eval is the best)
+    plain = train(
+        tiny(
+            tmp_path / "c",
+            "train.threads=1",
+            "model.dlrm.top_mlp=[8, 8, 1]",
+            "train.steps=5",
+            "train.keep_best=auc",
+        )
+    )
     c = read_checkpoint(latest_checkpoint(tmp_path / "c"))
     assert not torch.equal(
         a.tensors["model.over_arch.layers.1.weight"], c.tensors["model.over_arch.layers.1.weight"]
     )
+    assert (plain.best.step, plain.best.metrics) == (5, plain.final)
+    assert best_checkpoint(tmp_path / "c") == latest_checkpoint(tmp_path / "c")
