@@ -6,6 +6,7 @@
     tetrarec train --config run.toml [--set k=v ...] [--resume] [--json PATH]
     torchrun --nproc-per-node N -m tetrarec train --config run.toml   (sharded)
     tetrarec eval --checkpoint DIR [--data PATH ...] [--set k=v ...] [--json PATH]
+                                                    (DIR may be <checkpoint_dir>/best)
     tetrarec preprocess criteo --input FILE ... --output DIR [--on-bad-line skip]
     tetrarec preprocess csv|parquet --config run.toml --output FILE.parquet
                                     [--input FILE ...] [--on-bad-line skip] [--set k=v ...]
@@ -21,6 +22,7 @@ exits 1; Ctrl-C exits 130.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -28,7 +30,10 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tetrarec.config import RunConfig
 
 __all__ = ["main"]
 
@@ -42,7 +47,10 @@ def _add_set(p: argparse.ArgumentParser, *, hidden: bool = False) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help=argparse.SUPPRESS if hidden else "override a config key, e.g. train.steps=100",
+        help=argparse.SUPPRESS
+        if hidden
+        else "override a config key, as a TOML value (train.steps=100, "
+        'train.checkpoint_dir="out/ck", model.dlrm.bottom_mlp=[64,16]); repeatable',
     )
 
 
@@ -64,7 +72,12 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--json", metavar="PATH", help="write the run summary as JSON")
 
     ev = sub.add_parser("eval", help="evaluate a checkpoint")
-    ev.add_argument("--checkpoint", required=True, type=Path, help="a checkpoint directory")
+    ev.add_argument(
+        "--checkpoint",
+        required=True,
+        type=Path,
+        help="a checkpoint directory (<checkpoint_dir>/step_N, or <checkpoint_dir>/best)",
+    )
     ev.add_argument(
         "--data",
         nargs="+",
@@ -123,13 +136,17 @@ def _write_json(path: str | None, payload: dict[str, Any]) -> None:
         Path(path).write_text(json.dumps(payload, indent=2) + "\n")
 
 
+def _with_json(config: RunConfig, path: str | None) -> RunConfig:
+    """``config`` with ``train.json = path`` when ``--json`` was given."""
+    if not path:
+        return config
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, json=path))
+
+
 def _demo(args: argparse.Namespace) -> int:
     from tetrarec.train import demo_config, train
 
-    config = demo_config().with_overrides(args.overrides)
-    if args.json:
-        config = config.with_overrides([f"train.json={args.json}"])
-    result = train(config)
+    result = train(_with_json(demo_config().with_overrides(args.overrides), args.json))
     assert result.final is not None
     print(
         f"AUC {result.final.auc:.4f}  NE {result.final.ne:.4f}  "
@@ -142,9 +159,9 @@ def _train(args: argparse.Namespace) -> int:
     from tetrarec.config import RunConfig
     from tetrarec.train import train
 
-    config = RunConfig.from_toml(args.config).with_overrides(args.overrides)
-    if args.json:
-        config = config.with_overrides([f"train.json={args.json}"])
+    # The overrides are merged into the file's values before validation: the file
+    # alone need not be a complete run (a Parquet run's paths may come from --set).
+    config = _with_json(RunConfig.from_toml(args.config, args.overrides), args.json)
     result = train(config, resume=args.resume, launch=args.launch)
     if args.launch.rank != 0:  # rank 0 reports for the run
         return 0
@@ -153,13 +170,22 @@ def _train(args: argparse.Namespace) -> int:
     print(f"samples/s {result.samples_per_s:,.0f}  steps {result.steps}")
     if result.checkpoint:
         print(f"checkpoint {result.checkpoint}")
+    best = result.best_summary()
+    if best is not None:
+        print(best + (f"  checkpoint {result.best_checkpoint}" if result.best_checkpoint else ""))
+    if result.stopped_early:
+        print(f"stopped early at step {result.steps} (train.early_stop_patience)")
     return 0
 
 
 def _eval(args: argparse.Namespace) -> int:
     from tetrarec.train import evaluate_checkpoint
+    from tetrarec.train.metrics import miscalibration
 
     metrics = evaluate_checkpoint(args.checkpoint, data=args.data, overrides=args.overrides)
+    note = miscalibration(metrics)
+    if note is not None:
+        logging.getLogger("tetrarec.eval").warning("miscalibrated: %s", note)
     print(metrics.summary())
     _write_json(args.json, {"checkpoint": str(args.checkpoint), **metrics.to_dict()})
     return 0

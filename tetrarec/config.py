@@ -24,18 +24,37 @@ A run is described by a TOML file whose tables mirror the sections::
 
 Loading is strict: an unknown key is a ``ValueError`` that lists the valid keys of its
 section, and each value is converted to its field's declared type (``int`` fields reject
-``1.5``, enum fields take their string value). Dotted overrides such as
-``"train.steps=10"`` or ``"model.dlrm.bottom_mlp=[64,16]"`` are parsed as TOML values and
-converted the same way.
+``1.5``, enum fields take their string value).
+
+Dotted overrides (``tetrarec train --set KEY=VALUE``) are merged into the file's values
+before anything is validated (``RunConfig.from_toml(path, overrides)``), so a key that
+the file leaves out can come from an override alone (a Parquet run's
+``data.train_path``). Each value is read as a TOML value first, for every type::
+
+    train.steps=10                       int          optim.dense_lr=1e-3      float
+    train.deterministic=true             bool         optim.sparse.kind=adam   enum
+    train.checkpoint_dir="out/ck"        str: out/ck (the quotes are TOML's, not the path's)
+    train.checkpoint_dir=none            None, for a field that may be unset (also null)
+    model.dlrm.bottom_mlp=[64, 16]       tuple        model.num_embeddings=1000 (int | tuple)
+    data.train_path=["a.parquet", "b.parquet"]
+
+and only when the TOML reading does not fit the field, as plain text: a bare string
+(``train.checkpoint_dir=out/ck``, ``train.checkpoint_dir=123`` stays the string
+``"123"``), or, for a list field, comma-separated items (``model.dlrm.top_mlp=64,1``,
+``data.train_path=a.tsv,b.tsv``, or one bare path). To set a ``str | None`` field to
+the text "none", quote it (``="none"``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import fractions
+import math
 import tomllib
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -49,6 +68,8 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 __all__ = [
+    "DEFAULT_STEPS",
+    "BestMetric",
     "DecayKind",
     "DenseOptimizerKind",
     "EmbeddingKind",
@@ -179,17 +200,47 @@ class OptimConfig:
             raise ValueError(f"bad optim settings {bad} (decay needs decay_steps > 0)")
 
 
+DEFAULT_STEPS = 1000  # train.steps when neither steps nor epochs is set
+
+
+class BestMetric(enum.Enum):
+    """The metric ``train.keep_best`` ranks evaluations by."""
+
+    AUC = "auc"  # higher is better
+    LOG_LOSS = "log_loss"  # lower is better
+
+    @property
+    def higher_is_better(self) -> bool:
+        """Whether a larger value of the metric is an improvement."""
+        return self is BestMetric.AUC
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """The loop: how long, how often to evaluate and checkpoint, where to write.
 
     Args:
-        steps: total training steps (one global batch each).
+        steps: total training steps (one global batch each). Set ``steps`` or
+            ``epochs``, not both; with neither, the run makes ``DEFAULT_STEPS`` (1000).
+        epochs: train for this many passes over the training rows instead (may be
+            fractional): ``steps = ceil(epochs * (train rows // data.batch_size))``,
+            where ``train rows // batch_size`` is the loader's batches per epoch (its
+            last, partial batch is dropped). Resolved once the training data is known
+            (``resolve_steps``) and logged.
         eval_every: evaluate every this many steps (0: only at the end).
         checkpoint_every: checkpoint every this many steps (0: only at the end).
         checkpoint_dir: where checkpoints go; ``None`` writes none.
-        keep_checkpoints: how many of the newest checkpoints to keep.
-        seed: seeds model init, data order and every RNG.
+        keep_checkpoints: how many of the newest checkpoints to keep (the best one,
+            with ``keep_best``, is kept besides these).
+        keep_best: ``"auc"`` (higher is better) or ``"log_loss"`` (lower is better):
+            track the best evaluation by that metric. The summary reports its step and
+            metrics next to the final ones; with ``checkpoint_dir``, each new best is
+            checkpointed at its step and ``<checkpoint_dir>/best`` links to it (never
+            pruned). A tie does not improve; a ``nan`` metric never improves. With
+            ``eval_every = 0`` the only evaluation is the final one, which is the best.
+        early_stop_patience: stop once this many consecutive evaluations have not
+            improved on the best (0: never). Needs ``keep_best`` and ``eval_every > 0``.
+        seed: seeds model init, data order, dropout and every RNG.
         deterministic: run under ``torch.use_deterministic_algorithms(True)``.
         threads: torch intra-op threads (0: leave torch's default).
         log_every: log the loss every this many steps.
@@ -198,14 +249,18 @@ class TrainConfig:
         progress: show a progress bar on stderr.
 
     Raises:
-        ValueError: on negative counts.
+        ValueError: on negative counts, both ``steps`` and ``epochs``, or early stopping
+            without ``keep_best`` and ``eval_every``.
     """
 
-    steps: int = 1000
+    steps: int | None = None
+    epochs: float | None = None
     eval_every: int = 0
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
     keep_checkpoints: int = 3
+    keep_best: BestMetric | None = None
+    early_stop_patience: int = 0
     seed: int = 0
     deterministic: bool = False
     threads: int = 0
@@ -215,12 +270,63 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        counts = ("steps", "eval_every", "checkpoint_every", "threads", "log_every")
+        counts = ("eval_every", "checkpoint_every", "threads", "log_every", "early_stop_patience")
         bad = {k: getattr(self, k) for k in counts if getattr(self, k) < 0}
+        if self.steps is not None and self.steps < 0:
+            bad["steps"] = self.steps
+        if self.epochs is not None and not (self.epochs > 0 and math.isfinite(self.epochs)):
+            bad["epochs"] = self.epochs
         if self.keep_checkpoints < 1:
             bad["keep_checkpoints"] = self.keep_checkpoints
         if bad:
-            raise ValueError(f"bad train settings {bad} (counts >= 0, keep_checkpoints >= 1)")
+            raise ValueError(
+                f"bad train settings {bad} (counts >= 0, epochs > 0, keep_checkpoints >= 1)"
+            )
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError(
+                f"set train.steps ({self.steps}) or train.epochs ({self.epochs}), not both "
+                "(to switch with --set, clear the other: train.steps=none)"
+            )
+        if self.early_stop_patience and (self.keep_best is None or not self.eval_every):
+            raise ValueError(
+                f"train.early_stop_patience = {self.early_stop_patience} needs train.keep_best "
+                f"(auc or log_loss; got {_value_or_none(self.keep_best)}) and "
+                f"train.eval_every > 0 (got {self.eval_every}): it counts evaluations that "
+                "did not improve the kept metric"
+            )
+
+    def resolve_steps(self, train_rows: int, batch_size: int) -> int:
+        """The run's total steps, for ``train_rows`` training rows in global batches.
+
+        Args:
+            train_rows: rows of the training split.
+            batch_size: the global batch size (``data.batch_size``).
+
+        Returns:
+            ``steps`` if set; else ``ceil(epochs * (train_rows // batch_size))`` (at
+            least 1) if ``epochs`` is set; else ``DEFAULT_STEPS``.
+
+        Raises:
+            ValueError: with ``epochs``, if the rows make no full batch.
+        """
+        if self.steps is not None:
+            return self.steps
+        if self.epochs is None:
+            return DEFAULT_STEPS
+        per_epoch = train_rows // batch_size
+        if per_epoch == 0:
+            raise ValueError(
+                f"train.epochs = {self.epochs}: {train_rows} training rows make no full "
+                f"batch of data.batch_size = {batch_size}"
+            )
+        # The decimal the user wrote (0.1), not its binary neighbour (0.1000...0055),
+        # so that 0.1 epoch of 30 batches is 3 steps, not 4.
+        exact = fractions.Fraction(self.epochs).limit_denominator(10**6) * per_epoch
+        return max(1, math.ceil(exact))
+
+
+def _value_or_none(member: enum.Enum | None) -> str:
+    return "none" if member is None else str(member.value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -286,40 +392,67 @@ class RunConfig:
         return config_from_dict(cls, values, "")
 
     @classmethod
-    def from_toml(cls, path: str | Path) -> RunConfig:
-        """Load a TOML file (see the module docstring).
+    def from_toml(cls, path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
+        """Load a TOML file, with dotted ``overrides`` merged in (see the module docstring).
+
+        The overrides are applied to the file's values before anything is validated,
+        so the merged config is what must be valid: a key the file leaves out may come
+        from an override alone.
+
+        Args:
+            path: the run's TOML file.
+            overrides: ``"section.key=value"`` items, applied in order.
 
         Raises:
-            ValueError: on a TOML syntax error, an unknown key or a bad value; the
-                message names the file.
+            ValueError: on a TOML syntax error, a malformed override, an unknown key or
+                a bad value; the message names the file.
             FileNotFoundError: if the file does not exist.
         """
         path = Path(path)
         try:
             values = tomllib.loads(path.read_text())
+            _apply_overrides(values, overrides)
             return cls.from_dict(values)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"{path}: {e}") from e
+            with_sets = " with the --set overrides" if overrides else ""
+            raise ValueError(f"{path}{with_sets}: {e}") from e
 
-    def with_overrides(self, overrides: list[str] | tuple[str, ...]) -> RunConfig:
-        """Apply dotted ``"section.key=value"`` overrides, in order.
+    def with_overrides(self, overrides: Sequence[str]) -> RunConfig:
+        """Apply dotted ``"section.key=value"`` overrides, in order, then validate once.
 
         Raises:
             ValueError: on a malformed override, an unknown key (listing the valid
                 ones) or a value of the wrong type.
         """
         values = self.to_dict()
-        for item in overrides:
-            key, sep, text = item.partition("=")
-            if not sep or not key.strip():
-                raise ValueError(f"override {item!r} is not of the form section.key=value")
-            path = key.strip().split(".")
-            hint = _field_type(RunConfig, path)
-            node = values
-            for part in path[:-1]:
-                node = node.setdefault(part, {})
-            node[path[-1]] = _parse_text(text.strip(), hint)
+        _apply_overrides(values, overrides)
         return RunConfig.from_dict(values)
+
+
+def _apply_overrides(values: dict[str, Any], overrides: Sequence[str]) -> None:
+    """Set each ``"section.key=value"`` of ``overrides`` in the nested dict ``values``.
+
+    The value's text is parsed for the key's declared type (``_parse_text``); nothing is
+    validated here beyond the key's existence: the caller builds the config once.
+
+    Raises:
+        ValueError: on a malformed override or an unknown key (listing the valid ones).
+    """
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"override {item!r} is not of the form section.key=value")
+        path = key.strip().split(".")
+        hint = _field_type(RunConfig, path)
+        node = values
+        for i, part in enumerate(path[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(
+                    f"override {item!r}: {'.'.join(path[: i + 1])} must be a section, got {child!r}"
+                )
+            node = child
+        node[path[-1]] = _parse_text(text.strip(), hint, key.strip())
 
 
 # --- generic conversion between frozen dataclasses and plain dicts ---------------------
@@ -463,26 +596,45 @@ def _dataclass_of(hint: Any) -> type[DataclassInstance] | None:
     return None
 
 
-def _parse_text(text: str, hint: Any) -> Any:
-    """Parse an override's text for a field of type ``hint``.
+def _parse_text(text: str, hint: Any, where: str) -> Any:
+    """Parse an override's text for the field ``where`` of type ``hint``.
 
-    TOML syntax first (``10``, ``1e-3``, ``true``, ``[64, 16]``, ``"x"``); failing that, a
-    list field takes comma-separated items (``64,16`` or one bare path) and any other
-    field the bare text, which the type conversion then checks.
+    The first reading that converts to the field's type wins, in this order:
+
+    1. ``none`` or ``null`` (any case) for a field that may be ``None``;
+    2. the text as a TOML value (``10``, ``1e-3``, ``true``, ``[64, 16]``, ``"out/ck"``);
+       a TOML string for a list field is a one-item list;
+    3. the bare text (``out/ck``, ``adam``, or ``123`` for a ``str`` field);
+    4. for a list field, comma-separated items (``64,16``), each parsed the same way.
+
+    When none converts, the TOML reading (else the bare text) is returned, so that
+    the conversion's error names the value as TOML read it.
     """
     union = typing.get_origin(hint) in (typing.Union, types.UnionType)
     arms = typing.get_args(hint) if union else (hint,)
     if type(None) in arms and text.lower() in ("none", "null"):
         return None
-    if str in arms:
-        return text
+    candidates: list[Any] = []
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         pass
+    else:
+        candidates.append(value)
+        if isinstance(value, str):
+            candidates.append([value])
+    candidates.append(text)
     for arm in arms:
         if typing.get_origin(arm) is tuple:
             item = typing.get_args(arm)[0]
             bare = text[1:-1] if text.startswith("[") and text.endswith("]") else text
-            return [_parse_text(t.strip(), item) for t in bare.split(",")]
-    return text
+            items = [t.strip() for t in bare.split(",")]
+            candidates.append([_parse_text(t, item, f"{where}[{i}]") for i, t in enumerate(items)])
+            break
+    for candidate in candidates:
+        try:
+            _convert(hint, candidate, where)
+        except (ValueError, TypeError):
+            continue
+        return candidate
+    return candidates[0]

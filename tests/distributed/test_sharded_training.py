@@ -74,6 +74,9 @@ def two_ranks(tmp_path_factory):
                                  "model.precision=fp16", ck("resumed")), resume=True),
         Scenario("other_plan_on_resume", (*TINY, "sharding.type=row_wise", "optim.sparse.kind=adam",
                                           "model.precision=fp16", ck("resumed")), resume=True),
+        Scenario("keep_best", (*TINY, MIXED, "train.eval_every=1", "train.keep_best=log_loss",
+                               "train.early_stop_patience=1", "train.checkpoint_every=1",
+                               "train.keep_checkpoints=1", "optim.dense_lr=2.0", ck("best"))),
         Scenario("rank_1_other_config", TINY, rank_overrides=((1, ("optim.sparse.lr=0.2",)),)),
         Scenario("unknown_table", (*TINY, f"sharding.plan={tmp / 'unknown.json'}")),
         Scenario("block_not_dividing", (*TINY, "sharding.type=column_wise",
@@ -127,6 +130,34 @@ def test_resuming_a_sharded_run_is_bitwise_equal_to_an_uninterrupted_one(two_ran
     plan = ShardingPlan.from_dict(meta["plan"])
     assert plan.fingerprint() == meta["fingerprint"]
     assert len(meta["ranks"]) == 2
+
+
+def test_sharded_keep_best_and_early_stop_agree_on_every_rank(two_ranks):
+    """keep_best and early stopping in a sharded run: every rank takes the same
+    decisions (each new best's checkpoint is collective: a rank that skipped it would
+    hang the others), ``best`` links rank 0's complete checkpoint of the best step, and
+    pruning keeps it. Bugs caught: decisions from a rank's own slice of the metrics,
+    the link written by every rank at once, or the best checkpoint pruned."""
+    results, tmp = two_ranks
+    runs = results["keep_best"]
+    assert all(r["ok"] for r in runs), runs
+    assert runs[0]["best"] == runs[1]["best"]
+    assert runs[0]["steps"] == runs[1]["steps"]
+    best, stop = runs[0]["best"]["step"], runs[0]["steps"]
+    losses = [e["log_loss"] for e in runs[0]["evals"]]
+    assert losses.index(min(losses)) + 1 == best
+    # dense_lr=2 overshoots at step 2 (log loss 0.61 -> 0.82): patience 1 stops there
+    assert runs[0]["stopped_early"]
+    assert best == stop - 1  # patience 1: the first evaluation without improvement
+    root = tmp / "best"
+    assert (root / "best").resolve() == (root / f"step_{best:08d}").resolve()
+    kept = sorted(p.name for p in root.glob("step_*"))
+    assert kept == sorted({f"step_{best:08d}", f"step_{stop:08d}"})
+    assert sorted(p.name for p in (root / "best").glob("*.safetensors")) == [
+        "rank_00000.safetensors",
+        "rank_00001.safetensors",
+        "tensors.safetensors",
+    ]
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -321,3 +322,62 @@ def test_readme_criteo_sample_example_trains_as_written(capsys, monkeypatch, tmp
     assert summary["config"]["data"]["source"] == "criteo"
     _assert_printed_metrics_are(capsys.readouterr().out.splitlines()[0], summary["final"])
     assert torch.isfinite(torch.tensor(summary["final"]["log_loss"]))
+
+
+def test_train_parquet_paths_and_quoted_dir_from_set_then_eval_the_best(
+    capsys, tmp_path, monkeypatch
+) -> None:
+    """The two reported ``--set`` bugs and the best checkpoint, end to end: a Parquet
+    config whose paths come only from ``--set`` trains (it failed with "train_path is
+    needed"); ``train.checkpoint_dir="out/ck"`` writes under ``out/ck`` (it wrote
+    under a directory literally named ``"out``); the printed best line is the JSON's
+    best, and ``eval --checkpoint out/ck/best`` scores exactly those metrics."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rng = np.random.default_rng(0)
+    n = 160
+    pq.write_table(
+        pa.table(
+            {
+                "y": rng.integers(0, 2, n),
+                "x": rng.random(n),
+                "C1": rng.integers(0, 20, n),
+                "C2": rng.integers(0, 20, n),
+            }
+        ),
+        tmp_path / "rows.parquet",
+    )
+    config = tmp_path / "run.toml"
+    config.write_text(
+        '[data]\nsource = "parquet"\ndense_columns = ["x"]\nsparse_columns = ["C1", "C2"]\n'
+        'label_column = "y"\nbatch_size = 32\neval_batch_size = 64\n'
+        "train_rows = [0, 128]\neval_rows = [128, 160]\n"
+        "[model]\nnum_sparse = 2\nnum_embeddings = 20\n"
+        "[model.dlrm]\nnum_dense = 1\nbottom_mlp = [8, 4]\ntop_mlp = [8, 1]\n"
+        "[train]\nsteps = 4\nprogress = false\nthreads = 1\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run.json"
+    sets = _sets(
+        'data.train_path=["rows.parquet"]',
+        'train.checkpoint_dir="out/ck"',
+        "train.keep_best=log_loss",
+        "train.eval_every=1",
+    )
+    assert main(["-q", "train", "--config", str(config), *sets, "--json", str(out)]) == 0
+    assert (tmp_path / "out" / "ck" / "best").is_dir()
+    assert not [p.name for p in tmp_path.iterdir() if '"' in p.name]
+    printed = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(out.read_text())
+    best = summary["best"]
+    assert summary["best_checkpoint"] == f"out/ck/step_{best['step']:08d}"
+    line = next(ln for ln in printed if ln.startswith("best "))
+    assert line.startswith(f"best log_loss at step {best['step']}: ")
+    assert line.endswith(f"checkpoint {summary['best_checkpoint']}")
+    _assert_printed_metrics_are(line, best)
+
+    ev = tmp_path / "eval.json"
+    assert main(["-q", "eval", "--checkpoint", "out/ck/best", "--json", str(ev)]) == 0
+    scored = json.loads(ev.read_text())
+    assert scored.pop("checkpoint") == "out/ck/best"
+    assert scored == {k: v for k, v in best.items() if k not in ("metric", "step")}

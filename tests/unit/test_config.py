@@ -2,8 +2,16 @@ from pathlib import Path
 
 import pytest
 
-from tetrarec.config import DecayKind, EmbeddingKind, ModelConfig, RunConfig
-from tetrarec.types import OptimizerKind
+from tetrarec.config import (
+    DEFAULT_STEPS,
+    BestMetric,
+    DecayKind,
+    EmbeddingKind,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+)
+from tetrarec.types import OptimizerKind, ShardingType
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
 
@@ -123,3 +131,137 @@ def test_override_errors(override: str, match: str) -> None:
 
 def test_model_config_table_rows() -> None:
     assert ModelConfig(num_sparse=3, num_embeddings=7).table_rows == (7, 7, 7)
+
+
+# One row per kind of field: (overrides applied in order, the field's dotted path, the
+# value it must hold). TOML syntax is read first for every type; plain text second.
+FIELD_KINDS = [
+    (["train.steps=10"], "train.steps", 10),  # int (optional: int | None)
+    (["optim.dense_lr=1e-3"], "optim.dense_lr", 1e-3),  # float
+    (["optim.dense_lr=2"], "optim.dense_lr", 2.0),  # an int for a float field
+    (["train.deterministic=true"], "train.deterministic", True),  # bool
+    (['data.label_column="click"'], "data.label_column", "click"),  # str, TOML string
+    (["data.label_column='a\\b'"], "data.label_column", "a\\b"),  # TOML literal string
+    (["data.label_column=click"], "data.label_column", "click"),  # str, bare
+    (["data.label_column=123"], "data.label_column", "123"),  # str that reads as an int
+    (['train.checkpoint_dir="out/ck"'], "train.checkpoint_dir", "out/ck"),  # optional str
+    (["train.checkpoint_dir=out/ck"], "train.checkpoint_dir", "out/ck"),
+    (['train.checkpoint_dir="none"'], "train.checkpoint_dir", "none"),  # quoted: the text
+    (["train.checkpoint_dir=x", "train.checkpoint_dir=none"], "train.checkpoint_dir", None),
+    (["model.dlrm.seed=3", "model.dlrm.seed=null"], "model.dlrm.seed", None),  # optional int
+    (["optim.sparse.kind=adam"], "optim.sparse.kind", OptimizerKind.ADAM),  # enum, bare
+    (['optim.sparse.kind="ADAM"'], "optim.sparse.kind", OptimizerKind.ADAM),  # enum, TOML
+    (["train.keep_best=log_loss"], "train.keep_best", BestMetric.LOG_LOSS),  # optional enum
+    (["train.keep_best=auc", "train.keep_best=none"], "train.keep_best", None),
+    (["data.train_rows=[0, 10]"], "data.train_rows", (0, 10)),  # fixed tuple of ints
+    (["model.dlrm.top_mlp=32,1"], "model.dlrm.top_mlp", (32, 1)),  # tuple of ints, commas
+    (['data.eval_path=["a b.tsv", "c.tsv"]'], "data.eval_path", ("a b.tsv", "c.tsv")),
+    (["data.eval_path=a.tsv,b.tsv"], "data.eval_path", ("a.tsv", "b.tsv")),  # tuple of str
+    (['data.eval_path="x y.tsv"'], "data.eval_path", ("x y.tsv",)),  # one quoted path
+    (["data.eval_path=/d/day_0.tsv.gz"], "data.eval_path", ("/d/day_0.tsv.gz",)),  # bare
+    (
+        ['sharding.type=["row_wise", "table_wise"]'],  # tuple of enums, TOML
+        "sharding.type",
+        (ShardingType.ROW_WISE, ShardingType.TABLE_WISE),
+    ),
+    (
+        ["sharding.type=[row_wise, data_parallel]"],  # tuple of enums, bare items
+        "sharding.type",
+        (ShardingType.ROW_WISE, ShardingType.DATA_PARALLEL),
+    ),
+    (["sharding.type=row_wise"], "sharding.type", ShardingType.ROW_WISE),  # the enum arm
+    (["model.num_embeddings=1000"], "model.num_embeddings", 1000),  # int | tuple: int
+    (
+        ["model.num_sparse=2", "model.num_embeddings=[5, 6]"],  # int | tuple: tuple
+        "model.num_embeddings",
+        (5, 6),
+    ),
+    (["model.num_sparse=2", "model.num_embeddings=5,6"], "model.num_embeddings", (5, 6)),
+    (["model.dlrm.bottom_mlp=[64, 16]"], "model.dlrm.bottom_mlp", (64, 16)),  # nested key
+    (["model.dlrm.dropout=0.25"], "model.dlrm.dropout", 0.25),
+    (["train.epochs=0.5"], "train.epochs", 0.5),  # optional float
+]
+
+
+@pytest.mark.parametrize(("overrides", "key", "want"), FIELD_KINDS, ids=lambda v: str(v))
+def test_override_of_each_kind_of_field(overrides: list[str], key: str, want: object) -> None:
+    """Bugs caught: a quoted string keeping its quotes (``train.checkpoint_dir="out/ck"``
+    wrote under a directory named ``"out``), a bare string that reads as a number
+    refused, ``none`` not clearing an optional field, a bare enum for an
+    ``enum | tuple`` field read as a one-item tuple, and list fields that take only one
+    of the documented spellings."""
+    c = RunConfig().with_overrides(overrides)
+    value: object = c
+    for part in key.split("."):
+        value = getattr(value, part)
+    assert value == want
+    assert type(value) is type(want)
+
+
+def test_from_toml_validates_the_file_merged_with_the_overrides(tmp_path: Path) -> None:
+    """The reported bug: a Parquet run whose paths come only from ``--set`` failed with
+    "train_path is needed", because the file was validated alone before the overrides
+    applied. The merged config is validated; errors still name the file."""
+    f = tmp_path / "run.toml"
+    f.write_text(
+        '[data]\nsource = "parquet"\nsparse_columns = ["C1", "C2"]\n'
+        "[model]\nnum_sparse = 2\n[train]\nsteps = 5\n"
+    )
+    with pytest.raises(ValueError, match="train_path is needed") as e:
+        RunConfig.from_toml(f)
+    assert str(f) in str(e.value)
+    c = RunConfig.from_toml(f, ['data.train_path=["a.parquet", "b.parquet"]', "train.steps=7"])
+    assert c.data.train_path == ("a.parquet", "b.parquet")
+    assert c.train.steps == 7
+    assert c.data.sparse_columns == ("C1", "C2")  # the file's values stay
+    with pytest.raises(ValueError, match=r"train\.stepz") as e:
+        RunConfig.from_toml(f, ["data.train_path=a.parquet", "train.stepz=1"])
+    assert f"{f} with the --set overrides" in str(e.value)
+    with pytest.raises(ValueError, match=r"train\.steps: expected int, got 1\.5") as e:
+        RunConfig.from_toml(f, ["data.train_path=a.parquet", "train.steps=1.5"])
+    assert str(f) in str(e.value)
+
+
+def test_train_steps_or_epochs() -> None:
+    """Bugs caught: both accepted (which one wins?), a default that is not 1000 for
+    existing configs, and epochs rounded against the loader (whose epoch drops the last
+    partial batch) or through binary floating point (0.1 * 30 = 3.0000000000000004)."""
+    assert TrainConfig().resolve_steps(10**6, 10) == DEFAULT_STEPS == 1000
+    assert TrainConfig(steps=7).resolve_steps(10**6, 10) == 7
+    assert TrainConfig(epochs=2).resolve_steps(128, 32) == 8
+    assert TrainConfig(epochs=1).resolve_steps(130, 32) == 4  # 4 full batches per epoch
+    assert TrainConfig(epochs=0.1).resolve_steps(3000, 100) == 3
+    assert TrainConfig(epochs=1.5).resolve_steps(130, 32) == 6
+    assert TrainConfig(epochs=0.3).resolve_steps(130, 32) == 2  # 1.2 steps: rounded up
+    assert TrainConfig(epochs=1e-6).resolve_steps(130, 32) == 1  # at least one step
+    with pytest.raises(ValueError, match="no full batch"):
+        TrainConfig(epochs=1).resolve_steps(20, 32)
+    with pytest.raises(ValueError, match=r"train\.steps \(5\) or train\.epochs \(2\.0\)"):
+        RunConfig().with_overrides(["train.steps=5", "train.epochs=2"])
+    c = RunConfig().with_overrides(["train.steps=5", "train.steps=none", "train.epochs=2"])
+    assert (c.train.steps, c.train.epochs) == (None, 2.0)
+    for bad in ("train.epochs=0", "train.epochs=-1", "train.epochs=inf"):
+        with pytest.raises(ValueError, match="epochs"):
+            RunConfig().with_overrides([bad])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["train.early_stop_patience=2"], r"needs train\.keep_best .*got none"),
+        (
+            ["train.early_stop_patience=2", "train.keep_best=auc"],
+            r"train\.eval_every > 0 \(got 0\)",
+        ),
+        (["train.keep_best=accuracy"], r"'accuracy' is not one of auc, log_loss"),
+        (["train.early_stop_patience=-1"], r"early_stop_patience"),
+        (["model.dlrm.dropout=1.0"], r"dropout must be in \[0, 1\), got 1\.0"),
+    ],
+)
+def test_train_quality_settings_are_checked(overrides: list[str], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        RunConfig().with_overrides(overrides)
+    ok = RunConfig().with_overrides(
+        ["train.keep_best=auc", "train.eval_every=5", "train.early_stop_patience=2"]
+    )
+    assert ok.train.early_stop_patience == 2

@@ -128,7 +128,13 @@ class SparseOptimizerSpec:
         beta1: Adam's first-moment decay.
         beta2: Adam's second-moment decay.
         weight_decay: L2 penalty added to the gradient of the touched rows
-            (``g + weight_decay * w``, as in ``torch.optim``).
+            (``g' = g + weight_decay * w``, as in ``torch.optim``: coupled L2, not
+            AdamW's decay) before the update rule, so ``g'`` is what every state
+            accumulates: row-wise Adagrad's per-row sum adds ``mean(g'^2)``, Adam's
+            moments take ``g'``. Lazy: rows a step does not touch are neither decayed
+            nor have their state changed, so frequent ids are decayed more often
+            (``docs/training.md``). The reference embedding applies it only with
+            ``rowwise_adagrad``; the fused one with every kind.
         initial_accumulator: Adagrad's starting state value.
     """
 

@@ -64,10 +64,17 @@ class DLRMConfig:
             ``auto``: native where the device has BF16 units, else emulated (see
             ``tetrarec.models.precision``). Ignored for FP32.
         seed: seed of the dense layers' initialization; ``None`` uses the global RNG.
+        dropout: dropout probability after each hidden activation of the bottom and
+            top MLPs, in training mode only (see ``MLP``): never after the logit layer,
+            nor on the bottom MLP's output (the dense vector the interaction combines
+            with the embeddings), nor inside DCN's cross layers (their residual,
+            multiplicative form crosses every input with ``x_0``: a dropped unit of
+            ``x_0`` would zero every cross term it takes part in). 0 (default) is off.
 
     Raises:
         ValueError: on empty or non-positive layer sizes, a top MLP not ending in 1,
-            a bad DCN setting or an unsupported dense precision.
+            a bad DCN setting, an unsupported dense precision or a ``dropout``
+            outside [0, 1).
     """
 
     num_dense: int = 13
@@ -80,6 +87,7 @@ class DLRMConfig:
     dense_precision: Precision = Precision.FP32
     bf16_matmul: BF16Matmul = BF16Matmul.AUTO
     seed: int | None = None
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bottom_mlp", tuple(self.bottom_mlp))
@@ -100,6 +108,8 @@ class DLRMConfig:
                 f"dcn_layers must be >= 0 and dcn_low_rank > 0, "
                 f"got {self.dcn_layers} and {self.dcn_low_rank}"
             )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.dense_precision not in _DENSE_PRECISIONS:
             valid = ", ".join(p.value for p in _DENSE_PRECISIONS)
             raise ValueError(

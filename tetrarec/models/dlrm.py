@@ -28,6 +28,9 @@ under ``torch.autocast``, or emulated on FP32 kernels where the device has no BF
 units: ``tetrarec.models.precision``) while the weights (and so the optimizer state)
 stay FP32; embeddings, the dot interaction and the logit layer (the top MLP's last,
 -> 1) stay FP32.
+
+With ``dropout > 0`` the hidden activations of both MLPs are dropped in training mode
+(``model.train()``), never in evaluation mode; see ``DLRMConfig.dropout`` for where.
 """
 
 from __future__ import annotations
@@ -181,7 +184,11 @@ class DLRM(nn.Module):
         self.num_features = len(names)
         gen = generator_for(config.seed)
         self.dense_arch = MLP(
-            config.num_dense, config.bottom_mlp, final_activation=True, generator=gen
+            config.num_dense,
+            config.bottom_mlp,
+            final_activation=True,
+            generator=gen,
+            dropout=config.dropout,
         )
         self.embeddings = embeddings
         self.inter_arch = INTERACTIONS[config.arch](
@@ -193,6 +200,7 @@ class DLRM(nn.Module):
             final_activation=False,
             fp32_last_layer=True,
             generator=gen,
+            dropout=config.dropout,
         )
 
     def forward(self, dense: torch.Tensor, sparse: SparseFeatures) -> torch.Tensor:

@@ -37,9 +37,16 @@ class MLP(nn.Module):
             The top MLP sets it: a BF16 logit keeps 8 significant bits, which ties the
             ranking of close scores and moves AUC; the last layer (-> 1) costs nothing.
         generator: RNG for the initialization; ``None`` uses the global RNG.
+        dropout: probability of zeroing each hidden activation (the ReLU output of
+            every layer but the last) in training mode, scaling the kept ones by
+            ``1 / (1 - dropout)`` (``torch.nn.functional.dropout``); the masks come from
+            the global torch RNG, so a seed fixes them and a checkpoint of the RNG
+            state resumes them. The last layer's output (the logit, or the bottom MLP's
+            output that meets the embeddings) is never dropped. 0 turns it off.
 
     Raises:
-        ValueError: on an empty ``sizes`` or a non-positive width.
+        ValueError: on an empty ``sizes``, a non-positive width or a ``dropout``
+            outside [0, 1).
     """
 
     def __init__(
@@ -50,10 +57,14 @@ class MLP(nn.Module):
         final_activation: bool,
         fp32_last_layer: bool = False,
         generator: torch.Generator | None = None,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         if not sizes or in_features <= 0 or any(s <= 0 for s in sizes):
             raise ValueError(f"bad MLP widths: in_features={in_features}, sizes={tuple(sizes)}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"MLP dropout must be in [0, 1), got {dropout}")
+        self.dropout = dropout
         self.in_features = in_features
         self.out_features = sizes[-1]
         self.final_activation = final_activation
@@ -75,6 +86,7 @@ class MLP(nn.Module):
         """``(B, in_features) -> (B, out_features)``."""
         layers = self.linears
         last = len(layers) - 1
+        drop = self.dropout if self.training else 0.0
         for i, layer in enumerate(layers):
             if i == last and self.fp32_last_layer:
                 with torch.autocast(x.device.type, enabled=False):
@@ -82,13 +94,22 @@ class MLP(nn.Module):
             else:
                 # tetrarec's linear: F.linear, or its BF16 emulation (models.precision).
                 # Between two emulated layers values stay BF16 (ReLU keeps them), so
-                # neither the input nor the gradient needs another rounding pass.
+                # neither the input nor the gradient needs another rounding pass; the
+                # 1/(1-p) scale of dropout does not keep them BF16, so with dropout
+                # both are rounded again (as autocast rounds the dropout's output).
                 next_emulated = i < last and not (i + 1 == last and self.fp32_last_layer)
                 x = linear(
-                    x, layer.weight, layer.bias, input_is_bf16=i > 0, grad_is_bf16=next_emulated
+                    x,
+                    layer.weight,
+                    layer.bias,
+                    input_is_bf16=i > 0 and not drop,
+                    grad_is_bf16=next_emulated and not drop,
                 )
             if i < last or self.final_activation:
                 # In place: the linear's backward never reads its output, ReLU's reads
                 # only its own output, so no extra (B, out) buffer is needed.
                 x = torch.relu_(x)
+            if drop and i < last:
+                # Not in place: ReLU's backward reads its output.
+                x = F.dropout(x, drop, training=True)
         return x

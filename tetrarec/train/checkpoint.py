@@ -14,6 +14,13 @@ It is written into ``<root>/.tmp-step_<...>-<pid>/`` and renamed into place only
 both files are complete and flushed, so a crash leaves either the whole checkpoint or
 a temporary directory that ``latest_checkpoint`` never picks (and the next save removes).
 
+``<root>/best`` (a run with ``train.keep_best``) is a relative symbolic link to the best
+evaluated checkpoint, ``best -> step_<...>``. It is replaced atomically (a new link is
+made under a temporary name and renamed over the old one), so it always names a
+complete checkpoint, and ``prune_checkpoints`` never deletes the checkpoint it names.
+Anything that takes a checkpoint directory takes ``<root>/best``
+(``tetrarec eval --checkpoint <root>/best``); ``latest_checkpoint`` ignores it.
+
 This module knows files and state layouts; ``tetrarec.train.state`` decides what a
 training run puts in them.
 """
@@ -37,16 +44,19 @@ from safetensors.torch import load_file, save_file
 from tetrarec.comm import Communicator
 
 __all__ = [
+    "BEST_LINK",
     "CHECKPOINT_FORMAT",
     "CheckpointData",
+    "best_checkpoint",
     "capture_rng_state",
     "flatten_optimizer_state",
     "latest_checkpoint",
     "list_checkpoints",
+    "mark_best",
     "prune_checkpoints",
     "rank_file",
     "read_checkpoint",
-    "read_checkpoint_meta",
+    "read_meta",
     "read_rank_tensors",
     "restore_rng_state",
     "unflatten_optimizer_state",
@@ -58,6 +68,7 @@ CHECKPOINT_FORMAT = 2  # 2: fused optimizer state under sparse_optim, keyed by t
 _TENSORS = "tensors.safetensors"
 _META = "meta.json"
 _NAME = re.compile(r"^step_(\d{8,})$")
+BEST_LINK = "best"  # <root>/best -> step_<...>: the best evaluated checkpoint
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,35 +215,74 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
-    """Delete all but the ``keep`` newest checkpoints; return the deleted paths."""
+    """Delete all but the ``keep`` newest checkpoints; return the deleted paths.
+
+    The checkpoint ``<root>/best`` names (``mark_best``) is never deleted: it is kept
+    besides the ``keep`` newest when older than them.
+    """
+    best = best_checkpoint(root)
     ckpts = list_checkpoints(root)
     doomed = ckpts[:-keep] if keep > 0 else ckpts
+    doomed = [p for p in doomed if best is None or p.name != best.name]
     for p in doomed:
         shutil.rmtree(p)
     return doomed
 
 
-def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
-    """The ``meta.json`` of a checkpoint, without reading its tensors.
+def mark_best(checkpoint: str | Path) -> Path:
+    """Point ``<root>/best`` at ``checkpoint`` (``<root>/step_<n>``), atomically.
+
+    Returns:
+        The link, ``<root>/best``.
 
     Raises:
-        FileNotFoundError: if ``path`` is not a complete checkpoint.
-        ValueError: if its format version is unknown, or the file is damaged.
+        FileNotFoundError: if ``checkpoint`` is not a complete checkpoint.
+    """
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / _META).is_file() or not (checkpoint / _TENSORS).is_file():
+        raise FileNotFoundError(f"{checkpoint} is not a checkpoint (no {_META} and {_TENSORS})")
+    root = checkpoint.parent
+    for stale in root.glob(f".tmp-{BEST_LINK}-*"):  # left by a crash between the two calls
+        stale.unlink(missing_ok=True)
+    tmp = root / f".tmp-{BEST_LINK}-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    os.symlink(checkpoint.name, tmp, target_is_directory=True)  # relative: the root may move
+    os.replace(tmp, root / BEST_LINK)
+    _fsync_dir(root)
+    return root / BEST_LINK
+
+
+def best_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint ``<root>/best`` names (``<root>/step_<n>``), or ``None``.
+
+    ``None`` also when the link is missing, is not a link, or names no complete
+    checkpoint.
+    """
+    link = Path(root) / BEST_LINK
+    if not link.is_symlink():
+        return None
+    target = Path(root) / os.readlink(link)
+    if not _NAME.match(target.name) or not (target / _META).is_file():
+        return None
+    return target
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """Only the ``meta.json`` of checkpoint ``path`` (no tensors are read).
+
+    Raises:
+        FileNotFoundError: if ``path`` has no ``meta.json``.
+        ValueError: if it is damaged (naming it).
     """
     path = Path(path)
-    if not (path / _META).is_file() or not (path / _TENSORS).is_file():
-        raise FileNotFoundError(f"{path} is not a checkpoint (no {_META} and {_TENSORS})")
+    if not (path / _META).is_file():
+        raise FileNotFoundError(f"{path} is not a checkpoint (no {_META})")
     try:
         meta = json.loads((path / _META).read_text())
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise ValueError(f"{path / _META}: damaged checkpoint metadata ({e})") from e
     if not isinstance(meta, dict):
         raise ValueError(f"{path / _META}: damaged checkpoint metadata (not a JSON object)")
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(
-            f"{path}: checkpoint format {meta.get('format')!r}, this tetrarec reads "
-            f"{CHECKPOINT_FORMAT}"
-        )
     return meta
 
 
@@ -244,7 +294,14 @@ def read_checkpoint(path: str | Path) -> CheckpointData:
         ValueError: if its format version is unknown, or a file is damaged (naming it).
     """
     path = Path(path)
-    meta = read_checkpoint_meta(path)
+    if not (path / _META).is_file() or not (path / _TENSORS).is_file():
+        raise FileNotFoundError(f"{path} is not a checkpoint (no {_META} and {_TENSORS})")
+    meta = read_meta(path)
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(
+            f"{path}: checkpoint format {meta.get('format')!r}, this tetrarec reads "
+            f"{CHECKPOINT_FORMAT}"
+        )
     try:
         tensors = load_file(str(path / _TENSORS))
     except SafetensorError as e:

@@ -8,9 +8,19 @@ One call, ``train(config)``, does a whole run::
     3. for each step: set the scheduled learning rates, forward, BCE loss, stop on a
        non-finite loss (before backward, so no bad update is ever applied), backward,
        optimizer steps (a fused embedding module updates itself in backward)
-    4. every eval_every steps and at the end: exact metrics on the eval split
-    5. every checkpoint_every steps and at the end: an atomic checkpoint
-    6. a summary (``TrainResult``), also written as JSON when train.json is set
+    4. every eval_every steps and at the end: exact metrics on the eval split (a
+       warning when calibration is outside ``CALIBRATION_BOUNDS``); with
+       train.keep_best, the best evaluation so far is tracked (``BestEval``), each new
+       best is checkpointed and linked as ``<checkpoint_dir>/best``, and with
+       train.early_stop_patience the run stops after that many evaluations in a row
+       without improvement (the evaluation that decides is the run's final one)
+    5. every checkpoint_every steps and at the end: an atomic checkpoint (its meta
+       holds the best-so-far state, so a resumed run keeps the same best)
+    6. a summary (``TrainResult``: final and best metrics, whether it stopped early),
+       also written as JSON when train.json is set
+
+The number of steps is ``train.steps``, or ``train.epochs`` passes over the training
+rows (``TrainConfig.resolve_steps``), resolved once the training data is built.
 """
 
 from __future__ import annotations
@@ -38,10 +48,17 @@ from tetrarec.data import BatchLoader
 from tetrarec.kernels import build_cpu_kernels
 from tetrarec.sparse import Batch
 from tetrarec.train.build import RunParts, build_parts, model_embeddings
-from tetrarec.train.checkpoint import latest_checkpoint
+from tetrarec.train.checkpoint import (
+    best_checkpoint,
+    latest_checkpoint,
+    list_checkpoints,
+    mark_best,
+    prune_checkpoints,
+    read_meta,
+)
 from tetrarec.train.distributed import run_datasets, sharded_parts, sharding_env
 from tetrarec.train.evaluate import evaluate
-from tetrarec.train.metrics import Metrics
+from tetrarec.train.metrics import BestEval, Metrics, miscalibration
 from tetrarec.train.optim import set_learning_rate
 from tetrarec.train.schedule import lr_scale
 from tetrarec.train.state import load_run_state, restore_dense_transform, save_run_state
@@ -77,8 +94,16 @@ class TrainResult:
             checkpoint time excluded).
         train_seconds: seconds spent in training steps in this process.
         final: metrics of the final evaluation (``None`` with no eval data).
-        evals: ``(step, metrics)`` of every evaluation, in order.
+        evals: ``(step, metrics)`` of every evaluation this process made, in order.
         checkpoint: the last checkpoint written, if any.
+        best: with ``train.keep_best``, the best evaluation of the whole run (a
+            resumed run's includes those before the resume; its ``metrics`` are
+            ``None`` while no evaluation improved, every one ``nan``); ``None``
+            without ``keep_best``.
+        best_checkpoint: the checkpoint of the best evaluation (``<dir>/step_<n>``,
+            also linked as ``<dir>/best``), if checkpoints are written.
+        stopped_early: the run stopped at ``steps`` by ``train.early_stop_patience``,
+            before the planned number of steps.
     """
 
     steps: int
@@ -88,9 +113,13 @@ class TrainResult:
     final: Metrics | None
     evals: tuple[tuple[int, Metrics], ...]
     checkpoint: str | None
+    best: BestEval | None = None
+    best_checkpoint: str | None = None
+    stopped_early: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values for the JSON summary."""
+        best = self.best
         return {
             "steps": self.steps,
             "start_step": self.start_step,
@@ -99,7 +128,19 @@ class TrainResult:
             "final": self.final.to_dict() if self.final else None,
             "evals": [{"step": s, **m.to_dict()} for s, m in self.evals],
             "checkpoint": self.checkpoint,
+            "best": None
+            if best is None or best.metrics is None
+            else {"metric": best.metric.value, "step": best.step, **best.metrics.to_dict()},
+            "best_checkpoint": self.best_checkpoint,
+            "stopped_early": self.stopped_early,
         }
+
+    def best_summary(self) -> str | None:
+        """One line on the best evaluation (``None`` without one)."""
+        best = self.best
+        if best is None or best.metrics is None:
+            return None
+        return f"best {best.metric.value} at step {best.step}: {best.metrics.summary()}"
 
 
 @contextlib.contextmanager
@@ -200,10 +241,23 @@ class _Run:
             raise ValueError(
                 f"the data's features {self.train_ds.keys} differ from the model's {names}"
             )
+        tc = config.train
+        self.total_steps = tc.resolve_steps(self.train_ds.num_samples, config.data.batch_size)
+        if tc.epochs is not None and self.rank == 0:
+            logger.info(
+                "train.epochs = %g: %d steps of %d rows over %d training rows",
+                tc.epochs,
+                self.total_steps,
+                config.data.batch_size,
+                self.train_ds.num_samples,
+            )
         self.step = 0
         self.start_step = 0
         self.last_checkpoint: Path | None = None
         self.evals: list[tuple[int, Metrics]] = []
+        self.best = BestEval(metric=tc.keep_best) if tc.keep_best is not None else None
+        self.best_path: Path | None = None
+        self.stopped_early = False
         self.loader: BatchLoader | None = None
         self.owns_group = False  # set by train()
         self.writer = _summary_writer(config.train) if self.rank == 0 else None  # last
@@ -217,13 +271,42 @@ class _Run:
         self.train_ds, self.eval_ds = restore_dense_transform(path, self.train_ds, self.eval_ds)
         if position != self.step:
             raise ValueError(f"{path}: data position {position} differs from step {self.step}")
-        if self.step > self.config.train.steps:
+        if self.step > self.total_steps:
+            tc = self.config.train
+            via = f" (train.epochs={tc.epochs})" if tc.epochs is not None else ""
             raise ValueError(
-                f"resume: {path} is at step {self.step}, past train.steps={self.config.train.steps}"
+                f"resume: {path} is at step {self.step}, past train.steps={self.total_steps}{via}"
             )
         self.start_step = self.step
         self.last_checkpoint = path
+        self._resume_best(path)
         logger.info("resumed from %s at step %d", path, self.step)
+
+    def _resume_best(self, path: Path) -> None:
+        """Take the best-so-far state from the checkpoint's meta (same metric only)."""
+        if self.best is None:
+            return
+        saved = read_meta(path).get("best")
+        if saved is None or saved["metric"] != self.best.metric.value:
+            logger.info(
+                "resume: %s holds no best %s so far; tracking it from here",
+                path,
+                self.best.metric.value,
+            )
+            return
+        self.best = BestEval.from_dict(saved)
+        root = path.parent
+        kept = [p for p in list_checkpoints(root) if p.name == f"step_{self.best.step:08d}"]
+        if kept:
+            self.best_path = kept[0]
+            linked = best_checkpoint(root)
+            # A crash between a best's checkpoint and its link leaves the link behind.
+            if self.rank == 0 and (linked is None or linked.name != kept[0].name):
+                mark_best(kept[0])
+        patience = self.config.train.early_stop_patience
+        if patience and self.best.since >= patience:
+            self.stopped_early = True  # the interrupted run had stopped here
+            logger.info("resume: the run stopped early at step %d; no step to make", self.step)
 
     def run(self) -> TrainResult:
         tc, dc = self.config.train, self.config.data
@@ -239,8 +322,8 @@ class _Run:
         )
         batches = iter(self.loader)
         bar = tqdm(
-            total=tc.steps * dc.batch_size,
-            initial=min(self.step, tc.steps) * dc.batch_size,
+            total=self.total_steps * dc.batch_size,
+            initial=min(self.step, self.total_steps) * dc.batch_size,
             unit="sample",
             unit_scale=True,
             file=sys.stderr,
@@ -252,7 +335,7 @@ class _Run:
         build_cpu_kernels()
         seconds = 0.0
         with bar:
-            while self.step < tc.steps:
+            while self.step < self.total_steps and not self.stopped_early:
                 t0 = time.perf_counter()
                 loss = self._train_step(next(batches))
                 seconds += time.perf_counter() - t0
@@ -260,7 +343,7 @@ class _Run:
                 self._after_step(loss, bar)
         if not self.evals or self.evals[-1][0] != self.step:
             self._evaluate()
-        if tc.checkpoint_dir and (self.last_checkpoint is None or self._saved_step() != self.step):
+        if tc.checkpoint_dir and not self._saved_now():
             self._checkpoint()
         done = (self.step - self.start_step) * dc.batch_size
         result = TrainResult(
@@ -271,14 +354,21 @@ class _Run:
             final=self.evals[-1][1] if self.evals else None,
             evals=tuple(self.evals),
             checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
+            best=self.best,
+            best_checkpoint=str(self.best_path) if self.best_path else None,
+            stopped_early=self.stopped_early,
         )
+        if self.rank == 0:
+            _log_summary(result, self.total_steps, tc.early_stop_patience)
         if tc.json and self.rank == 0:
             _write_json(tc.json, result, self.config)
         return result
 
-    def _saved_step(self) -> int:
-        assert self.last_checkpoint is not None
-        return int(self.last_checkpoint.name.split("_")[-1])
+    def _saved_now(self) -> bool:
+        """Whether the last checkpoint written is of the current step."""
+        if self.last_checkpoint is None:
+            return False
+        return int(self.last_checkpoint.name.split("_")[-1]) == self.step
 
     def _train_step(self, batch: Batch) -> float:
         parts, optim = self.parts, self.config.optim
@@ -316,19 +406,26 @@ class _Run:
             )
         if tc.log_every and self.step % tc.log_every == 0 and self.rank == 0:
             bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-            logger.info("step %d/%d loss %.5f", self.step, tc.steps, loss)
-        if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps:
+            logger.info("step %d/%d loss %.5f", self.step, self.total_steps, loss)
+        # The last step's evaluation and checkpoint are the run's final ones (run()).
+        if self.step >= self.total_steps:
+            return
+        if tc.eval_every and self.step % tc.eval_every == 0:
             self._evaluate()
+            if self.stopped_early:
+                return  # run() checkpoints this step as the final one
         if (
             tc.checkpoint_dir
             and tc.checkpoint_every
             and self.step % tc.checkpoint_every == 0
-            and self.step < tc.steps
+            and not self._saved_now()  # a new best was just checkpointed here
         ):
             self._checkpoint()
 
     def _evaluate(self) -> None:
         if self.eval_ds is None or self.eval_ds.num_samples == 0:
+            if self.best is not None and self.rank == 0 and not self.evals:
+                logger.warning("train.keep_best is set but the run has no evaluation data")
             return
         metrics = evaluate(
             self.parts.model,
@@ -339,13 +436,63 @@ class _Run:
         self.evals.append((self.step, metrics))
         if self.rank == 0:
             logger.info("eval at step %d: %s", self.step, metrics.summary())
+            note = miscalibration(metrics)
+            if note is not None:
+                logger.warning("eval at step %d: miscalibrated: %s", self.step, note)
         if self.writer is not None:
             for name, value in metrics.to_dict().items():
                 self.writer.add_scalar(f"eval/{name}", value, self.step)
+        if self.best is not None:
+            self._track_best(metrics)
+
+    def _track_best(self, metrics: Metrics) -> None:
+        """Update the best-so-far; checkpoint a new best; decide on early stopping.
+
+        Every rank holds the same metrics, so every rank decides the same (the
+        checkpoint is collective in a sharded run).
+        """
+        assert self.best is not None
+        before = self.best
+        self.best = before.update(self.step, metrics)
+        if self.best is before:  # this step's evaluation was counted already
+            return
+        tc = self.config.train
+        name = self.best.metric.value
+        if self.best.step == self.step:
+            if self.rank == 0:
+                logger.info(
+                    "new best %s %.5f at step %d", name, self.best.value(metrics), self.step
+                )
+            if tc.checkpoint_dir:
+                self._checkpoint()
+                assert self.last_checkpoint is not None
+                if self.rank == 0:
+                    mark_best(self.last_checkpoint)
+                    # The previous best is no longer protected: prune it unless newest.
+                    prune_checkpoints(tc.checkpoint_dir, tc.keep_checkpoints)
+                self.best_path = self.last_checkpoint
+            return
+        if self.rank == 0:
+            logger.info(
+                "no improvement on the best %s (step %s) for %d evaluation(s)",
+                name,
+                self.best.step,
+                self.best.since,
+            )
+        if tc.early_stop_patience and self.best.since >= tc.early_stop_patience:
+            self.stopped_early = True
+            if self.rank == 0:
+                logger.info(
+                    "stopping early at step %d: %d evaluations without improvement "
+                    "(train.early_stop_patience)",
+                    self.step,
+                    self.best.since,
+                )
 
     def _checkpoint(self) -> None:
         tc = self.config.train
         assert tc.checkpoint_dir is not None
+        extra = {"best": self.best.to_dict()} if self.best is not None else None
         self.last_checkpoint = save_run_state(
             tc.checkpoint_dir,
             self.parts,
@@ -353,6 +500,7 @@ class _Run:
             config=self.config,
             keep=tc.keep_checkpoints,
             dense=self.train_ds.transform,
+            extra_meta=extra,
         )
         logger.info("checkpoint %s", self.last_checkpoint)
 
@@ -363,6 +511,23 @@ class _Run:
             self.writer.close()
         if self.owns_group:
             destroy()
+
+
+def _log_summary(result: TrainResult, planned: int, patience: int) -> None:
+    """The end of the run in the log: final and best metrics, an early stop."""
+    if result.final is not None:
+        logger.info("final at step %d: %s", result.steps, result.final.summary())
+    best = result.best_summary()
+    if best is not None:
+        where = f" ({result.best_checkpoint})" if result.best_checkpoint else ""
+        logger.info("%s%s", best, where)
+    if result.stopped_early:
+        logger.info(
+            "stopped early at step %d of %d (train.early_stop_patience = %d)",
+            result.steps,
+            planned,
+            patience,
+        )
 
 
 def _write_json(path: str, result: TrainResult, config: RunConfig) -> None:

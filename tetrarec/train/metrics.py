@@ -14,17 +14,42 @@ binning), from logits ``z`` and labels ``y`` in {0, 1}:
 - ``accuracy``: the fraction with ``(p >= 0.5) == y``, i.e. ``z >= 0``.
 
 Metrics that a one-class set leaves undefined (AUC, NE, calibration) are ``nan``.
+
+Calibration is well within ``CALIBRATION_BOUNDS`` = [0.8, 1.25] for a model whose
+average prediction is within 20-25% of the observed CTR (the bounds are symmetric in
+ratio: 1/1.25 = 0.8). Outside them ``miscalibration`` says in which direction, and the
+training loop and ``tetrarec eval`` log it as a warning: a model can rank well (high AUC)
+and still predict CTRs far from the observed ones, which matters wherever the
+probabilities themselves are used (bidding, expected-value ranking).
+
+``BestEval`` follows the best evaluation of a run by one metric (``train.keep_best``):
+AUC higher is better, log loss lower is better, a tie is not an improvement (the
+earlier evaluation stays best), and ``nan`` never improves.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["MetricAccumulator", "Metrics", "compute_metrics"]
+from tetrarec.config import BestMetric
+
+__all__ = [
+    "CALIBRATION_BOUNDS",
+    "BestEval",
+    "MetricAccumulator",
+    "Metrics",
+    "compute_metrics",
+    "is_improvement",
+    "miscalibration",
+]
+
+# Calibration outside [low, high] is reported as miscalibrated (see the module docstring).
+CALIBRATION_BOUNDS = (0.8, 1.25)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +77,18 @@ class Metrics:
     def to_dict(self) -> dict[str, float | int]:
         """Plain ``{name: value}`` for JSON and logs."""
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Metrics:
+        """Inverse of ``to_dict``.
+
+        Raises:
+            ValueError: if a metric is missing or unknown.
+        """
+        try:
+            return cls(**values)
+        except TypeError as e:
+            raise ValueError(f"not a Metrics dict ({e}): {values}") from e
 
     def summary(self) -> str:
         """One line: ``AUC 0.7512  NE 0.8731  log loss 0.4810 ...``."""
@@ -153,3 +190,120 @@ class MetricAccumulator:
         if not self._logits:
             raise ValueError("no batches were evaluated")
         return compute_metrics(torch.cat(self._logits), torch.cat(self._labels))
+
+
+def miscalibration(metrics: Metrics) -> str | None:
+    """Why ``metrics`` count as miscalibrated, or ``None`` when calibration is fine.
+
+    Calibration (mean predicted CTR over observed CTR) outside ``CALIBRATION_BOUNDS``
+    is miscalibrated: above, the model over-predicts the CTR; below, it under-predicts.
+    A ``nan`` calibration (no positive label) is not judged.
+
+    Example:
+        >>> m = Metrics(auc=0.7, ne=0.9, log_loss=0.5, calibration=1.6, accuracy=0.7,
+        ...             num_samples=10, ctr=0.2)
+        >>> miscalibration(m).split(": ")[1]
+        'the model over-predicts the CTR (mean prediction 0.3200, observed 0.2000)'
+    """
+    low, high = CALIBRATION_BOUNDS
+    c = metrics.calibration
+    if math.isnan(c) or low <= c <= high:
+        return None
+    direction = "over-predicts" if c > high else "under-predicts"
+    return (
+        f"calibration {c:.3f} is outside [{low}, {high}]: the model {direction} the CTR "
+        f"(mean prediction {c * metrics.ctr:.4f}, observed {metrics.ctr:.4f})"
+    )
+
+
+def is_improvement(metric: BestMetric, value: float, best: float | None) -> bool:
+    """Whether ``value`` of ``metric`` improves on ``best`` (``None``: nothing yet).
+
+    Higher is better for AUC, lower for log loss; a tie is not an improvement and a
+    ``nan`` never is one (nor can a ``nan`` best be improved on: it is never kept).
+    """
+    if math.isnan(value):
+        return False
+    if best is None:
+        return True
+    return value > best if metric.higher_is_better else value < best
+
+
+@dataclass(frozen=True, kw_only=True)
+class BestEval:
+    """The best evaluation of a run so far, by one metric (``train.keep_best``).
+
+    Saved in every checkpoint's meta (``to_dict``), so that a resumed run keeps the
+    same best, and the same count of evaluations without improvement, as a run that was
+    never interrupted.
+
+    Args:
+        metric: the metric evaluations are ranked by.
+        step: the step of the best evaluation (``None`` before any improved).
+        metrics: its metrics.
+        since: consecutive evaluations since then that did not improve on it (all of
+            them, when none ever did).
+        last_step: the step of the last evaluation seen (``-1``: none); another
+            evaluation of that same step (a resumed run evaluating its start again)
+            is not counted twice.
+
+    Example:
+        >>> best = BestEval(metric=BestMetric.AUC)
+        >>> m = Metrics(auc=0.7, ne=0.9, log_loss=0.5, calibration=1.0, accuracy=0.7,
+        ...             num_samples=10, ctr=0.2)
+        >>> best = best.update(2, m).update(4, replace(m, auc=0.6))
+        >>> best.step, best.since
+        (2, 1)
+    """
+
+    metric: BestMetric
+    step: int | None = None
+    metrics: Metrics | None = None
+    since: int = 0
+    last_step: int = -1
+
+    def value(self, metrics: Metrics) -> float:
+        """The ranked metric's value in ``metrics``."""
+        return float(getattr(metrics, self.metric.value))
+
+    def update(self, step: int, metrics: Metrics) -> BestEval:
+        """The state after an evaluation at ``step`` gave ``metrics``.
+
+        Returns ``self`` for a step already seen; otherwise a new ``BestEval``: best
+        at ``step`` if it improved (``since`` back to 0), else ``since`` one higher.
+        """
+        if step <= self.last_step:
+            return self
+        best = None if self.metrics is None else self.value(self.metrics)
+        if is_improvement(self.metric, self.value(metrics), best):
+            return replace(self, step=step, metrics=metrics, since=0, last_step=step)
+        return replace(self, since=self.since + 1, last_step=step)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values for a checkpoint's meta and the JSON summary."""
+        return {
+            "metric": self.metric.value,
+            "step": self.step,
+            "metrics": self.metrics.to_dict() if self.metrics is not None else None,
+            "since": self.since,
+            "last_step": self.last_step,
+        }
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> BestEval:
+        """Inverse of ``to_dict``.
+
+        Raises:
+            ValueError: on a malformed dict.
+        """
+        try:
+            metrics = values["metrics"]
+            return cls(
+                metric=BestMetric(values["metric"]),
+                step=None if values["step"] is None else int(values["step"]),
+                metrics=None if metrics is None else Metrics.from_dict(metrics),
+                since=int(values["since"]),
+                last_step=int(values["last_step"]),
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a BestEval dict ({e!r}): {values}") from e

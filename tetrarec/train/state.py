@@ -36,7 +36,7 @@ from tetrarec.train.checkpoint import (
     flatten_optimizer_state,
     prune_checkpoints,
     read_checkpoint,
-    read_checkpoint_meta,
+    read_meta,
     read_rank_tensors,
     restore_rng_state,
     unflatten_optimizer_state,
@@ -255,7 +255,7 @@ def load_dense_transform(path: str | Path) -> DenseTransform | None:
         FileNotFoundError: if ``path`` is not a checkpoint.
         ValueError: if the saved transform is malformed.
     """
-    saved = read_checkpoint_meta(path).get("dense_transform")
+    saved = read_meta(path).get("dense_transform")
     if saved is None:
         return None
     try:

@@ -10,6 +10,7 @@ import torch
 from tetrarec.embedding import EmbeddingBagCollection, TableConfig
 from tetrarec.models import (
     DLRM,
+    MLP,
     DCNInteraction,
     DLRMConfig,
     DotInteraction,
@@ -170,6 +171,8 @@ def test_models_embedding_dim_mismatch_raises() -> None:
         ({"bottom_mlp": ()}, "positive layer sizes"),
         ({"dense_precision": "int8"}, "not supported"),
         ({"arch": "wide"}, "unknown model arch"),
+        ({"dropout": 1.0}, r"dropout must be in \[0, 1\)"),
+        ({"dropout": -0.1}, r"dropout must be in \[0, 1\)"),
     ],
 )
 def test_models_config_rejects_bad_values(kw: dict[str, object], match: str) -> None:
@@ -285,3 +288,51 @@ def test_models_start_pooling_before_the_bottom_mlp_and_wait_after_it(arch: str)
     logits = model(dense, sparse)
     assert log == ["start", "bottom mlp", "wait"]
     assert torch.equal(logits, _model(arch)(dense, sparse))
+
+
+@pytest.mark.parametrize("arch", ["dlrm", "dcn"])
+def test_models_dropout_acts_in_training_only(arch: str) -> None:
+    """Bugs caught: dropout in eval mode (evaluation would be noisy and differ from
+    run to run), dropout that never acts, and masks that a seed of the global torch
+    RNG does not fix (a checkpoint of that RNG would not resume them)."""
+    gen = torch.Generator().manual_seed(0)
+    dense, sparse = torch.randn(B, 5, generator=gen), _features(gen)
+    plain, dropped = _model(arch), _model(arch, dropout=0.5)
+    for (name, a), b in zip(plain.state_dict().items(), dropped.state_dict().values()):
+        assert torch.equal(a, b), name  # dropout draws nothing at init
+    plain.eval()
+    dropped.eval()
+    assert torch.equal(plain(dense, sparse), dropped(dense, sparse))
+    plain.train()
+    dropped.train()
+    torch.manual_seed(1)
+    first = dropped(dense, sparse)
+    torch.manual_seed(1)
+    assert torch.equal(dropped(dense, sparse), first)
+    assert not torch.equal(dropped(dense, sparse), first)  # the next masks differ
+    assert not torch.equal(first, plain(dense, sparse))
+
+
+def test_mlp_dropout_spares_the_last_layer_output() -> None:
+    """Only hidden activations are dropped: a one-layer MLP (the logit layer, or a
+    bottom MLP's output) is the same in training mode at any dropout. Bug caught:
+    dropout after the last layer (zeroing logits, or the dense vector that meets the
+    embeddings in the interaction)."""
+    x = torch.randn(64, 6, generator=torch.Generator().manual_seed(0))
+    for final_activation in (True, False):
+        one = MLP(6, [5], final_activation=final_activation, dropout=0.9)
+        one.train()
+        with torch.no_grad():
+            want = one.linears[0](x)
+            want = torch.relu(want) if final_activation else want
+        torch.testing.assert_close(one(x), want, rtol=0, atol=0)
+    two = MLP(6, [5, 3], final_activation=False, dropout=0.5, generator=torch.Generator())
+    two.train()
+    torch.manual_seed(0)
+    out = two(x)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        hidden = torch.nn.functional.dropout(torch.relu(two.linears[0](x)), 0.5)
+        torch.testing.assert_close(out, two.linears[1](hidden), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\), got 1\.5"):
+        MLP(6, [5], final_activation=False, dropout=1.5)

@@ -2,6 +2,7 @@ import json
 import os
 import random
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -9,14 +10,18 @@ import torch
 from torch import nn
 
 from tetrarec.train.checkpoint import (
+    BEST_LINK,
     CHECKPOINT_FORMAT,
     CheckpointData,
+    best_checkpoint,
     capture_rng_state,
     flatten_optimizer_state,
     latest_checkpoint,
     list_checkpoints,
+    mark_best,
     prune_checkpoints,
     read_checkpoint,
+    read_meta,
     restore_rng_state,
     unflatten_optimizer_state,
     write_checkpoint,
@@ -76,6 +81,46 @@ def test_rewrite_same_step_replaces_and_prune_keeps_newest(tmp_path) -> None:
     assert [p.name for p in deleted] == ["step_00000001", "step_00000002"]
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003", "step_00000004"]
     assert latest_checkpoint(tmp_path / "missing") is None
+
+
+def test_best_link_protects_its_checkpoint_from_pruning(tmp_path) -> None:
+    """Bugs caught: pruning the best checkpoint once it is no longer among the newest,
+    keeping an old best after the link moved on, the link taken for the newest
+    checkpoint by resume, and an absolute link that breaks when the directory moves."""
+    for s in (1, 2, 3):
+        write_checkpoint(tmp_path, _data(s))
+    link = mark_best(tmp_path / "step_00000002")
+    assert link == tmp_path / BEST_LINK
+    assert os.readlink(link) == "step_00000002"  # relative
+    for s in (4, 5):
+        write_checkpoint(tmp_path, _data(s))
+    prune_checkpoints(tmp_path, keep=2)
+    names = [p.name for p in list_checkpoints(tmp_path)]
+    assert names == ["step_00000002", "step_00000004", "step_00000005"]
+    assert latest_checkpoint(tmp_path).name == "step_00000005"
+    assert best_checkpoint(tmp_path) == tmp_path / "step_00000002"
+    assert read_checkpoint(link).step == 2  # readers take <root>/best as a checkpoint
+    assert read_meta(link)["step"] == 2
+    moved = tmp_path.parent / "moved"
+    tmp_path.rename(moved)
+    assert read_checkpoint(moved / BEST_LINK).step == 2
+    # a new best replaces the link; the old best is then pruned like any other
+    mark_best(moved / "step_00000005")
+    prune_checkpoints(moved, keep=2)
+    assert [p.name for p in list_checkpoints(moved)] == ["step_00000004", "step_00000005"]
+    assert best_checkpoint(moved) == moved / "step_00000005"
+    assert sorted(p.name for p in moved.iterdir() if p.name.startswith(".tmp")) == []
+
+
+def test_best_link_to_a_missing_checkpoint_is_no_best(tmp_path) -> None:
+    write_checkpoint(tmp_path, _data(1))
+    mark_best(tmp_path / "step_00000001")
+    shutil.rmtree(tmp_path / "step_00000001")
+    assert best_checkpoint(tmp_path) is None
+    write_checkpoint(tmp_path, _data(2))
+    assert prune_checkpoints(tmp_path, keep=1) == []
+    with pytest.raises(FileNotFoundError, match="not a checkpoint"):
+        mark_best(tmp_path / "step_00000009")
 
 
 def _trained(opt_factory, sparse: bool) -> tuple[nn.Parameter, torch.optim.Optimizer]:

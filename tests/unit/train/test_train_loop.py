@@ -1,6 +1,8 @@
 import json
+import logging
 import math
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +16,8 @@ from tetrarec.train import (
     read_checkpoint,
     train,
 )
-from tetrarec.train.checkpoint import list_checkpoints
+from tetrarec.train.checkpoint import best_checkpoint, list_checkpoints
+from tetrarec.train.metrics import CALIBRATION_BOUNDS
 
 TINY = [
     "data.source=synthetic",
@@ -203,3 +206,155 @@ def test_low_precision_rows_resume_bitwise(tmp_path, precision, sparse_kind) -> 
     for name in sorted(a.tensors, key=lambda k: k == "embedding.rounding"):
         assert torch.equal(a.tensors[name], b.tensors[name]), name
     assert resumed.final == straight.final
+
+
+# keep_best, early stopping, epochs, dropout: tiny runs with an evaluation every step.
+# With TINY's schedule (cosine decay to 0 at step 7) the eval AUC peaks mid-run.
+EVERY_STEP = ["train.threads=1", "train.eval_every=1", "train.keep_best=auc"]
+
+
+def _expected_best(evals) -> tuple[int, int]:
+    """(best step, evaluations since it) by AUC, first of equals, computed plainly."""
+    best_step, best_auc, since = None, None, 0
+    for step, m in evals:
+        if best_auc is None or m.auc > best_auc:
+            best_step, best_auc, since = step, m.auc, 0
+        else:
+            since += 1
+    return best_step, since
+
+
+def test_keep_best_checkpoints_the_best_step_and_keeps_it(tmp_path, caplog) -> None:
+    """The best evaluation's step is the one reported, checkpointed, linked as
+    ``best`` and kept although ``keep_checkpoints=1`` prunes every other old one;
+    ``tetrarec eval`` of the link gives the best metrics. Bugs caught: the last or
+    the first evaluation reported as best, the best checkpoint pruned, the link at
+    another step, the summary without the best, and no calibration warning (or one
+    in the wrong direction) for a miscalibrated evaluation."""
+    out = tmp_path / "summary.json"
+    ck = tmp_path / "ck"
+    caplog.set_level(logging.INFO, logger="tetrarec.train.loop")
+    result = train(
+        tiny(
+            ck,
+            *EVERY_STEP,
+            "train.steps=8",
+            "train.checkpoint_every=1",
+            "train.keep_checkpoints=1",
+            f"train.json={out}",
+        )
+    )
+    assert [s for s, _ in result.evals] == list(range(1, 9))
+    step, since = _expected_best(result.evals)
+    assert 1 < step < 8, "the test needs a best evaluation in the middle of the run"
+    assert (result.best.step, result.best.since) == (step, since)
+    assert result.best.metrics == dict(result.evals)[step]
+    assert [p.name for p in list_checkpoints(ck)] == [f"step_{step:08d}", "step_00000008"]
+    assert best_checkpoint(ck) == ck / f"step_{step:08d}"
+    assert result.best_checkpoint == str(ck / f"step_{step:08d}")
+    assert evaluate_checkpoint(ck / "best") == result.best.metrics
+    assert read_checkpoint(ck / "best").meta["best"]["step"] == step
+    summary = json.loads(out.read_text())
+    assert summary["best"] == {"metric": "auc", "step": step, **result.best.metrics.to_dict()}
+    assert summary["best_checkpoint"] == result.best_checkpoint
+    assert summary["stopped_early"] is False
+    # calibration: a warning, with its direction, exactly for the evaluations outside
+    warned = {r.getMessage() for r in caplog.records if r.levelno == logging.WARNING}
+    outside = 0
+    for s, m in result.evals:
+        note = [w for w in warned if w.startswith(f"eval at step {s}: miscalibrated")]
+        low, high = CALIBRATION_BOUNDS
+        if low <= m.calibration <= high:
+            assert note == []
+        else:
+            outside += 1
+            word = "over-predicts" if m.calibration > high else "under-predicts"
+            assert len(note) == 1
+            assert word in note[0]
+    assert outside > 0, "the test needs a miscalibrated evaluation"
+
+
+def test_early_stop_after_exactly_patience_evaluations_without_improvement(tmp_path) -> None:
+    """Bugs caught: stopping one evaluation early or late (the count of non-improving
+    evaluations off by one, or not reset by an improvement), a second evaluation of the
+    stop step at the end, and a final checkpoint missing at the stop step."""
+    patience = 2
+    ck = tmp_path / "ck"
+    result = train(tiny(ck, *EVERY_STEP, "train.steps=8", f"train.early_stop_patience={patience}"))
+    assert result.stopped_early
+    steps = [s for s, _ in result.evals]
+    assert steps == list(range(1, result.steps + 1))  # one evaluation per step, no repeat
+    assert result.steps < 8
+    # the first time `patience` evaluations in a row did not improve is the last one
+    for k in range(1, len(result.evals)):
+        assert _expected_best(result.evals[:k])[1] < patience, f"should have stopped at {k}"
+    assert _expected_best(result.evals)[1] == patience
+    assert result.final == result.evals[-1][1]
+    assert latest_checkpoint(ck).name == f"step_{result.steps:08d}"
+    assert result.to_dict()["stopped_early"] is True
+
+
+def test_resumed_run_keeps_the_same_best_and_stops_at_the_same_step(tmp_path) -> None:
+    """Interrupted after the best evaluation and before the early stop, then resumed:
+    the same best (step, metrics, count) and the same stop step as straight through.
+    Bugs caught: best-so-far not restored (the resumed run would take its own first
+    evaluation as best), the count of non-improving evaluations restarted (it would
+    stop later), the resumed start step's evaluation counted twice, and a best
+    checkpoint left without its link (a crash between the two) never linked again, so
+    pruning could delete it."""
+    run = [*EVERY_STEP, "train.early_stop_patience=2", "train.checkpoint_every=2"]
+    straight = train(tiny(tmp_path / "a", *run, "train.steps=8"))
+    assert straight.stopped_early
+    best_step = straight.best.step
+    stop = straight.steps
+    assert best_step < stop - 1, "the test needs an interruption after the best"
+    train(tiny(tmp_path / "b", *run, f"train.steps={stop - 1}"))
+    # as if the process died between the best's checkpoint and its link
+    (tmp_path / "b" / "best").unlink()
+    _scramble_global_rngs()
+    resumed = train(tiny(tmp_path / "b", *run, "train.steps=8"), resume=True)
+    assert resumed.start_step == stop - 1
+    assert resumed.best == straight.best
+    assert (resumed.steps, resumed.stopped_early) == (stop, True)
+    assert best_checkpoint(tmp_path / "b").name == f"step_{best_step:08d}"
+    assert Path(resumed.best_checkpoint).name == f"step_{best_step:08d}"
+    # resuming the stopped run makes no step and reports the same
+    again = train(tiny(tmp_path / "b", *run, "train.steps=8"), resume=True)
+    assert (again.start_step, again.steps, again.stopped_early) == (stop, stop, True)
+    assert again.best == straight.best
+
+
+def test_dropout_resumes_bitwise_and_epochs_set_the_steps(tmp_path) -> None:
+    """With dropout, a run interrupted and resumed equals one straight through, bit
+    for bit: the masks come from the checkpointed torch RNG. Bugs caught: masks from a
+    generator the checkpoint does not hold, or reseeded at resume, and dropout that
+    never acts (the weights would equal those of a run without it). The resumed run
+    sets its length in epochs: 1.25 epochs of 4 batches are 5 steps. The run without
+    dropout keeps its best with evaluations only at the end: the final one is best."""
+    base = ["train.threads=1", "model.dlrm.dropout=0.3", "model.dlrm.top_mlp=[8, 8, 1]"]
+    straight = train(tiny(tmp_path / "a", *base, "train.steps=5"))
+    train(tiny(tmp_path / "b", *base, "train.steps=3"))
+    _scramble_global_rngs()
+    resumed = train(tiny(tmp_path / "b", *base, "train.epochs=1.25"), resume=True)
+    assert (resumed.start_step, resumed.steps) == (3, 5)
+    a = read_checkpoint(latest_checkpoint(tmp_path / "a"))
+    b = read_checkpoint(latest_checkpoint(tmp_path / "b"))
+    for name, tensor in a.tensors.items():
+        assert torch.equal(tensor, b.tensors[name]), name
+    assert resumed.final == straight.final
+    # without dropout (and with keep_best but no eval_every: the final eval is the best)
+    plain = train(
+        tiny(
+            tmp_path / "c",
+            "train.threads=1",
+            "model.dlrm.top_mlp=[8, 8, 1]",
+            "train.steps=5",
+            "train.keep_best=auc",
+        )
+    )
+    c = read_checkpoint(latest_checkpoint(tmp_path / "c"))
+    assert not torch.equal(
+        a.tensors["model.over_arch.layers.1.weight"], c.tensors["model.over_arch.layers.1.weight"]
+    )
+    assert (plain.best.step, plain.best.metrics) == (5, plain.final)
+    assert best_checkpoint(tmp_path / "c") == latest_checkpoint(tmp_path / "c")

@@ -1,11 +1,19 @@
 import itertools
+import json
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from tetrarec.train.metrics import MetricAccumulator, compute_metrics
+from tetrarec.config import BestMetric
+from tetrarec.train.metrics import (
+    BestEval,
+    MetricAccumulator,
+    Metrics,
+    compute_metrics,
+    miscalibration,
+)
 
 
 def brute_force_auc(scores: list[float], labels: list[int]) -> float:
@@ -92,3 +100,82 @@ def test_bad_inputs_raise() -> None:
         compute_metrics(torch.zeros(2), torch.tensor([0.0, 0.5]))
     with pytest.raises(ValueError, match="no batches"):
         MetricAccumulator().compute()
+
+
+def _metrics(**kw: float) -> Metrics:
+    base = {"auc": 0.7, "ne": 0.9, "log_loss": 0.5, "calibration": 1.0, "accuracy": 0.7}
+    return Metrics(**{**base, **kw}, num_samples=100, ctr=0.2)
+
+
+# (metric, scripted values at steps 10, 20, ..., expected (best step, since) after each)
+SCRIPTS = [
+    (
+        "auc",  # higher is better; a tie keeps the earlier; nan never improves
+        [0.60, 0.70, 0.65, 0.70, 0.72, math.nan, 0.71],
+        [(10, 0), (20, 0), (20, 1), (20, 2), (50, 0), (50, 1), (50, 2)],
+    ),
+    (
+        "log_loss",  # lower is better
+        [0.50, 0.45, 0.47, 0.45, 0.40, 0.41, 0.39],
+        [(10, 0), (20, 0), (20, 1), (20, 2), (50, 0), (50, 1), (70, 0)],
+    ),
+    (
+        "auc",  # nothing is best until a value is not nan
+        [math.nan, math.nan, 0.5],
+        [(None, 1), (None, 2), (30, 0)],
+    ),
+]
+
+
+@pytest.mark.parametrize(("metric", "values", "expected"), SCRIPTS)
+def test_best_eval_keeps_the_right_step(metric: str, values: list, expected: list) -> None:
+    """Bugs caught: the wrong direction for a metric (log loss kept when it rises), a
+    tie taken as a new best (the later checkpoint kept), a nan taken as best (every
+    comparison with nan is False, so a nan best could never be beaten), and a count of
+    non-improving evaluations that is not reset by an improvement (early stopping
+    would stop too soon)."""
+    best = BestEval(metric=BestMetric(metric))
+    for i, (value, (step, since)) in enumerate(zip(values, expected)):
+        best = best.update(10 * (i + 1), _metrics(**{metric: value}))
+        assert (best.step, best.since) == (step, since), f"after eval {i + 1}"
+        if step is not None:
+            assert best.value(best.metrics) == values[step // 10 - 1]
+
+
+def test_best_eval_round_trips_and_counts_a_step_once() -> None:
+    """Bugs caught: meta that loses the count or the metrics (a resumed run would
+    report another best or stop at another step), and a resumed run that evaluates its
+    start step again counting that evaluation twice."""
+    best = BestEval(metric=BestMetric.LOG_LOSS).update(4, _metrics(log_loss=0.4))
+    best = best.update(6, _metrics(log_loss=0.5))
+    again = BestEval.from_dict(json.loads(json.dumps(best.to_dict())))
+    assert again == best
+    assert (again.step, again.since, again.last_step) == (4, 1, 6)
+    assert again.update(6, _metrics(log_loss=0.6)) is again
+    assert again.update(7, _metrics(log_loss=0.6)).since == 2
+    with pytest.raises(ValueError, match="not a BestEval"):
+        BestEval.from_dict({"metric": "auc"})
+
+
+@pytest.mark.parametrize(
+    ("calibration", "direction"),
+    [
+        (1.0, None),
+        (0.8, None),  # the bounds are inside
+        (1.25, None),
+        (math.nan, None),  # no positives: not judged
+        (1.26, "over-predicts"),
+        (0.79, "under-predicts"),
+        (3.0, "over-predicts"),
+    ],
+)
+def test_miscalibration_says_which_direction(calibration: float, direction: str | None) -> None:
+    """Bugs caught: a warning for a calibrated model, none for a miscalibrated one, and
+    the direction reversed (calibration > 1 means predictions above the observed CTR)."""
+    note = miscalibration(_metrics(calibration=calibration))
+    if direction is None:
+        assert note is None
+    else:
+        assert note is not None
+        assert direction in note
+        assert f"{calibration:.3f}" in note
