@@ -11,7 +11,7 @@ side: AUC, log loss, calibration, the DLRM's best evaluated step (``train.keep_b
 and whether the recipe meets the bar: AUC >= the regression's and log loss <= the
 regression's + 0.005.
 
-    tetrarec bench quality [--recipes criteo_kaggle avazu] [--json PATH]
+    tetrarec bench quality [--recipes criteo_kaggle avazu] [--seeds 3] [--json PATH]
     python benchmarks/bench_quality.py --smoke      # a few steps each, seconds
 
 Runs from any directory: the recipes' data paths are relative to the repository root.
@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import logging
 import os
+import statistics
 import tempfile
 import time
 from collections.abc import Iterator
@@ -85,6 +86,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--valid-fraction", type=float, default=0.2, help="training rows held out to choose C"
     )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="also train each recipe with its seed + 1, ..., + N-1 and report the spread",
+    )
     p.add_argument("--smoke", action="store_true", help="3 steps per recipe, one C: seconds")
     p.add_argument("--json", metavar="PATH")
     return p.parse_args()
@@ -100,13 +107,6 @@ def _in_repo_root() -> Iterator[None]:
         os.chdir(here)
 
 
-def _best(evals: tuple[tuple[int, Metrics], ...], metric: str) -> tuple[int, Metrics]:
-    """The evaluation ``train.keep_best`` keeps (the first of equals)."""
-    if metric == "log_loss":
-        return min(evals, key=lambda e: (e[1].log_loss, e[0]))
-    return max(evals, key=lambda e: (e[1].auc, -e[0]))
-
-
 def _row(recipe: str, model: str, m: Metrics, **extra: Any) -> dict[str, Any]:
     return {
         "recipe": recipe,
@@ -119,31 +119,52 @@ def _row(recipe: str, model: str, m: Metrics, **extra: Any) -> dict[str, Any]:
     }
 
 
-def run_recipe(path: str, smoke: bool, checkpoints: Path) -> tuple[RunConfig, dict[str, Any]]:
-    """Train one recipe as written; returns its config and its result row's fields."""
+def run_recipe(
+    path: str, smoke: bool, checkpoints: Path, seed_offset: int = 0
+) -> tuple[RunConfig, dict[str, Any]]:
+    """Train one recipe as written (its seed plus ``seed_offset``).
+
+    Returns:
+        The run's config and its result fields: the best evaluation's ``metrics``
+        (``train.keep_best``; the final one without it) and its step.
+    """
     config = RunConfig.from_toml(path)
     overrides = [
         "train.progress=false",
         "train.json=none",
         "train.tensorboard_dir=none",
-        f"train.checkpoint_dir={str(checkpoints / Path(path).stem)!r}",
+        f"train.seed={config.train.seed + seed_offset}",
+        f"train.checkpoint_dir={str(checkpoints / f'{Path(path).stem}-{seed_offset}')!r}",
     ]
     if smoke:
-        overrides += ["train.steps=3", "train.eval_every=0", "train.early_stop_patience=0"]
+        overrides += [
+            "train.epochs=none",
+            "train.steps=3",
+            "train.eval_every=0",
+            "train.early_stop_patience=0",
+        ]
     config = config.with_overrides(overrides)
     t0 = time.perf_counter()
     result = train(config)
     seconds = time.perf_counter() - t0
-    metric = config.train.keep_best or "auc"
-    step, best = _best(result.evals, metric)
     assert result.final is not None
+    b = result.best
+    if b is not None and b.step is not None and b.metrics is not None:  # train.keep_best
+        step, best = b.step, b.metrics
+    else:
+        step, best = result.steps, result.final
     return config, {
         "metrics": best,
         "best_step": step,
         "steps_run": result.steps,
+        "stopped_early": result.stopped_early,
         "final_auc": round(result.final.auc, 4),
         "wall_s": round(seconds, 1),
     }
+
+
+def _meets(m: Metrics, lr: Metrics) -> bool:
+    return m.auc >= lr.auc and m.log_loss <= lr.log_loss + LOG_LOSS_SLACK
 
 
 def main() -> None:
@@ -156,16 +177,17 @@ def main() -> None:
         for recipe in (r for r in RECIPES if r.name in args.recipes):
             if not Path(recipe.data).is_file():
                 raise SystemExit(f"bench_quality: {recipe.name}: data file {recipe.data} not found")
-            trained = {}
+            trained: dict[str, list[tuple[RunConfig, dict[str, Any]]]] = {}
             for model, path in (("dlrm", recipe.dlrm), ("dlrm-dcnv2", recipe.dcn)):
-                trained[model] = run_recipe(path, args.smoke, checkpoints)
+                trained[model] = [
+                    run_recipe(path, args.smoke, checkpoints, k) for k in range(args.seeds)
+                ]
             # The regression sees the DLRM recipe's features: its rows, hashing and
-            # dense transform (the DCN variant shares them: checked below).
-            config = trained["dlrm"][0]
-            if trained["dlrm-dcnv2"][0].data != config.data or (
-                trained["dlrm-dcnv2"][0].model.table_rows != config.model.table_rows
-            ):
-                raise SystemExit(f"{recipe.name}: the DCN recipe must read the same features")
+            # dense transform (the DCN variant must share them: checked here).
+            config = trained["dlrm"][0][0]
+            for c, _ in trained["dlrm-dcnv2"]:
+                if c.data != config.data or c.model.table_rows != config.model.table_rows:
+                    raise SystemExit(f"{recipe.name}: the DCN recipe must read the same features")
             t0 = time.perf_counter()
             train_ds, eval_ds = build_datasets(config.data, build_tables(config.model))
             table_rows = config.model.table_rows
@@ -183,9 +205,22 @@ def main() -> None:
                     lbfgs_iters=tuned.fit.iterations,
                 )
             )
-            for model, (_, fields) in trained.items():
+            for model, runs in trained.items():
+                fields = dict(runs[0][1])  # the recipe as written (its own seed)
                 m: Metrics = fields.pop("metrics")
-                meets = m.auc >= lr.auc and m.log_loss <= lr.log_loss + LOG_LOSS_SLACK
+                extra: dict[str, Any] = {}
+                if args.seeds > 1:
+                    every = [f["metrics"] for _, f in runs]
+                    extra = {
+                        "auc_mean": round(statistics.fmean(e.auc for e in every), 4),
+                        "auc_min": round(min(e.auc for e in every), 4),
+                        "log_loss_mean": round(statistics.fmean(e.log_loss for e in every), 4),
+                        "seeds_meeting_bar": f"{sum(_meets(e, lr) for e in every)}/{len(every)}",
+                        "per_seed": [
+                            {"auc": e.auc, "log_loss": e.log_loss, "best_step": f["best_step"]}
+                            for e, (_, f) in zip(every, runs)
+                        ],
+                    }
                 rows.append(
                     _row(
                         recipe.name,
@@ -193,8 +228,9 @@ def main() -> None:
                         m,
                         auc_vs_logreg=round(m.auc - lr.auc, 4),
                         log_loss_vs_logreg=round(m.log_loss - lr.log_loss, 4),
-                        meets_bar="yes" if meets else "NO",
+                        meets_bar="yes" if _meets(m, lr) else "NO",
                         **fields,
+                        **extra,
                     )
                 )
     columns = [
@@ -207,6 +243,7 @@ def main() -> None:
         "auc_vs_logreg",
         "log_loss_vs_logreg",
         "meets_bar",
+        *(["auc_mean", "auc_min", "log_loss_mean", "seeds_meeting_bar"] if args.seeds > 1 else []),
         "C",
         "eval_rows",
         "wall_s",

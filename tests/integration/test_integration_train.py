@@ -56,14 +56,30 @@ def test_real_criteo_rows_train_evaluate_and_reload(tmp_path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not CRITEO.is_file(), reason="shared Criteo sample not present")
-def test_bench_criteo_real_smoke(tmp_path) -> None:
+def test_bench_quality_smoke_reports_every_recipe_beside_the_regression(
+    tmp_path, shared_data
+) -> None:
+    """``tetrarec bench quality --smoke``: every recipe and its DCN variant train as
+    written (3 steps) and sit beside a regression fitted on the same rows; a recipe
+    whose path, source or columns are wrong, or a report that drops a model or the
+    comparison, fails."""
     import json
 
     from tetrarec.cli import main
 
+    del shared_data  # skips when ../shared/data is absent
     out = tmp_path / "bench.json"
-    assert main(["-q", "bench", "criteo_real", "--smoke", "--json", str(out)]) == 0
-    results = {r["impl"]: r for r in json.loads(out.read_text())["results"]}
-    assert set(results) == {"tetrarec-dlrm", "logistic-regression"}
-    assert all(0.0 <= r["auc"] <= 1.0 for r in results.values())
+    assert main(["-q", "bench", "quality", "--smoke", "--json", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    rows = {(r["recipe"], r["model"]): r for r in payload["results"]}
+    recipes = {"criteo_kaggle": 4584, "criteo_1tb": 400, "avazu": 1800}
+    assert set(rows) == {(r, m) for r in recipes for m in ("logreg", "dlrm", "dlrm-dcnv2")}
+    for (recipe, model), r in rows.items():
+        assert r["eval_rows"] == recipes[recipe]
+        assert 0.0 <= r["auc"] <= 1.0
+        if model != "logreg":
+            lr = rows[(recipe, "logreg")]
+            assert r["auc_vs_logreg"] == pytest.approx(r["auc"] - lr["auc"], abs=2e-4)
+            assert r["meets_bar"] in ("yes", "NO")
+            assert r["best_step"] <= r["steps_run"] == 3
+    assert payload["env"]["kernels"]["kernels"] in ("compiled", "portable")

@@ -20,9 +20,9 @@ from tetrarec.kernels._build import compiled_cpu_kernels
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPTS = sorted(p.name for p in BENCH.glob("bench_*.py"))
-# Runs on the real Criteo sample in ../shared/data; its smoke run (through the CLI) lives
-# in tests/integration/test_integration_train.py, which skips when the data is absent.
-NEEDS_SHARED_DATA = {"bench_criteo_real.py"}
+# Runs on the real samples in ../shared/data; its smoke run (through the CLI) lives in
+# tests/integration/test_integration_train.py, which skips when the data is absent.
+NEEDS_SHARED_DATA = {"bench_quality.py"}
 
 
 def _run(script: str, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Any:

@@ -38,11 +38,15 @@ TINY = [
     "model.dlrm.bottom_mlp=[8, 4]",
     "model.dlrm.top_mlp=[8, 1]",
     "model.dlrm.dcn_low_rank=4",
+    "model.dlrm.num_dense=13",
     "optim.warmup_steps=1",
     "optim.decay_start=1",
     "optim.decay_steps=1",
+    "train.epochs=none",
     "train.steps=2",
     "train.eval_every=0",
+    "train.keep_best=none",
+    "train.early_stop_patience=0",
     "train.checkpoint_every=0",
     "train.progress=false",
 ]
@@ -184,13 +188,13 @@ def test_bench_unknown_name_is_a_clear_error(capsys) -> None:
     err = _one_line(capsys.readouterr().err)
     assert "no benchmark 'no_such_thing'" in err
     assert "available:" in err
-    assert "criteo_real" in err
+    assert "quality" in err
 
 
 def test_bench_runs_the_script_with_its_args(capfd) -> None:
     """The script runs and gets the arguments (its own --help usage is printed)."""
-    assert main(["-q", "bench", "criteo_real", "--help"]) == 0
-    assert "usage: bench_criteo_real.py" in capfd.readouterr().out
+    assert main(["-q", "bench", "quality", "--help"]) == 0
+    assert "usage: bench_quality.py" in capfd.readouterr().out
 
 
 # -- tetrarec's own errors: one line on stderr, the documented exit status -----------------
@@ -300,26 +304,39 @@ def test_kernel_build_failure_under_compiled_is_one_line_and_exit_1(tmp_path) ->
 # -- the README's second Criteo example: the shared sample as it is -----------------------
 
 
-def test_readme_criteo_sample_example_trains_as_written(capsys, monkeypatch, tmp_path, shared_data):
-    """README: ``tetrarec train --config examples/criteo_kaggle_sample.toml``, run from the
-    repository root, reads ../shared/data's raw sample (no preprocessing). Here 2 steps
-    of batch 64; a wrong path, source or row range in the example fails."""
+@pytest.mark.parametrize(
+    ("config", "source", "eval_rows"),
+    [
+        ("examples/criteo_kaggle_sample.toml", "criteo", 12_584 - 8_000),
+        ("examples/criteo_kaggle_sample_dcn.toml", "criteo", 12_584 - 8_000),
+        ("examples/criteo_1tb_sample.toml", "criteo", 1_000 - 600),
+        ("examples/criteo_1tb_sample_dcn.toml", "criteo", 1_000 - 600),
+        ("examples/avazu_sample.toml", "csv", 8_999 - 7_199),
+        ("examples/avazu_sample_dcn.toml", "csv", 8_999 - 7_199),
+    ],
+)
+def test_real_data_recipes_train_as_written(
+    capsys, monkeypatch, tmp_path, shared_data, config, source, eval_rows
+):
+    """README: ``tetrarec train --config examples/<recipe>.toml``, run from the repository
+    root, reads ../shared/data's raw sample (no preprocessing). Here 2 steps with the
+    recipe's own data settings; a wrong path, source, column or row range fails."""
     del shared_data  # skips when ../shared/data is absent
     monkeypatch.chdir(REPO)
     out = tmp_path / "run.json"
     sets = _sets(
+        "train.epochs=none",
         "train.steps=2",
         "train.eval_every=0",
+        "train.early_stop_patience=0",
         "train.progress=false",
-        "data.batch_size=64",
         f"train.checkpoint_dir={tmp_path / 'ck'}",
     )
-    config = "examples/criteo_kaggle_sample.toml"
     assert main(["-q", "train", "--config", config, *sets, "--json", str(out)]) == 0
     summary = json.loads(out.read_text())
     assert summary["steps"] == 2
-    assert summary["final"]["num_samples"] == 12_868 - 11_000  # the held-out rows
-    assert summary["config"]["data"]["source"] == "criteo"
+    assert summary["final"]["num_samples"] == eval_rows  # the held-out rows
+    assert summary["config"]["data"]["source"] == source
     _assert_printed_metrics_are(capsys.readouterr().out.splitlines()[0], summary["final"])
     assert torch.isfinite(torch.tensor(summary["final"]["log_loss"]))
 

@@ -185,7 +185,7 @@ def build_datasets(
             stats = ", ".join(
                 f"{c} {m:.4g}+-{s:.4g}"
                 for c, k, m, s in zip(dense.columns, dense.kinds, dense.mean, dense.std)
-                if k == DenseKind.STANDARDIZE
+                if k.standardizes
             )
             logger.info("dense statistics of the %d training rows: %s", train.num_samples, stats)
     return (

@@ -80,6 +80,19 @@ class DenseKind(enum.StrEnum):
     NONE = "none"  # the raw value
     LOG1P = "log1p"  # log(1 + max(x, 0)): Criteo's transform for its counts
     STANDARDIZE = "standardize"  # (x - mean) / std, over the training rows
+    # log1p, then standardized with the mean and std of the log1p'd training rows: for
+    # heavy-tailed counts (Criteo's) whose logs still sit far from mean 0 and std 1
+    LOG1P_STANDARDIZE = "log1p_standardize"
+
+    @property
+    def standardizes(self) -> bool:
+        """Whether this kind needs the training rows' mean and standard deviation."""
+        return self in (DenseKind.STANDARDIZE, DenseKind.LOG1P_STANDARDIZE)
+
+    @property
+    def takes_log(self) -> bool:
+        """Whether this kind starts with ``log(1 + max(x, 0))``."""
+        return self in (DenseKind.LOG1P, DenseKind.LOG1P_STANDARDIZE)
 
     @classmethod
     def parse(cls, value: str | DenseKind) -> DenseKind:
@@ -328,11 +341,13 @@ class DataConfig:
         dense_transform: what the dense features go through before the model: ``"none"``
             (raw values), ``"log1p"`` (``log(1 + max(x, 0))``), ``"standardize"``
             (``(x - mean) / std`` of the raw values, with the mean and the standard
-            deviation of the training rows), or a list with one of these per dense
-            column. The default ``"auto"`` is the source's natural transform:
-            ``"log1p"`` for criteo and binary (Criteo's counts), ``"none"`` for the
-            others. Statistics are computed once from the training rows and saved in
-            every checkpoint; evaluation, resume and inference reuse them.
+            deviation of the training rows), ``"log1p_standardize"`` (``log1p``, then
+            standardized with the statistics of the log1p'd training rows), or a list
+            with one of these per dense column. The default ``"auto"`` is the source's
+            natural transform: ``"log1p"`` for criteo and binary (Criteo's counts),
+            ``"none"`` for the others. Statistics are computed once from the training
+            rows and saved in every checkpoint; evaluation, resume and inference reuse
+            them.
         dense_clip: optional ``[lo, hi]`` applied to every dense column after the
             transform, or a list of ``[lo, hi]``, one per column (``-inf``/``inf``
             leave a side open). A list's length, like ``dense_transform``'s, is

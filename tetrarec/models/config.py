@@ -50,7 +50,10 @@ class DLRMConfig:
     DLRM-DCNv2 sizes.
 
     Args:
-        num_dense: dense input features per sample.
+        num_dense: dense input features per sample. 0 (data with categorical features
+            only, such as Avazu) feeds the bottom MLP a constant 1 instead, so its
+            output is a learned vector and the dot interaction's ``<x, e_i>`` terms
+            still give every id a first-order weight.
         bottom_mlp: bottom MLP layer sizes; the last must equal the embedding dim.
         top_mlp: top MLP layer sizes; the last must be 1 (one logit per sample).
         arch: the interaction (``"dlrm"`` dot or ``"dcn"`` cross layers).
@@ -96,8 +99,8 @@ class DLRMConfig:
         object.__setattr__(self, "interaction_impl", InteractionImpl.parse(self.interaction_impl))
         object.__setattr__(self, "dense_precision", Precision.parse(self.dense_precision))
         object.__setattr__(self, "bf16_matmul", BF16Matmul.parse(self.bf16_matmul))
-        if self.num_dense <= 0:
-            raise ValueError(f"num_dense must be positive, got {self.num_dense}")
+        if self.num_dense < 0:
+            raise ValueError(f"num_dense must be >= 0, got {self.num_dense}")
         for name, sizes in (("bottom_mlp", self.bottom_mlp), ("top_mlp", self.top_mlp)):
             if not sizes or any(s <= 0 for s in sizes):
                 raise ValueError(f"{name} needs positive layer sizes, got {sizes}")

@@ -183,8 +183,9 @@ class DLRM(nn.Module):
         self.config = config
         self.num_features = len(names)
         gen = generator_for(config.seed)
+        # Without dense features the bottom MLP reads a constant 1 (see DLRMConfig).
         self.dense_arch = MLP(
-            config.num_dense,
+            max(config.num_dense, 1),
             config.bottom_mlp,
             final_activation=True,
             generator=gen,
@@ -207,7 +208,8 @@ class DLRM(nn.Module):
         """Logits for a batch.
 
         Args:
-            dense: ``(B, num_dense)`` float dense features.
+            dense: ``(B, num_dense)`` float dense features (``(B, 0)`` for a model
+                without dense features).
             sparse: the categorical features, ``B`` samples, keys as the embeddings'.
 
         Returns:
@@ -218,6 +220,8 @@ class DLRM(nn.Module):
                 pending: PendingPooling = self.embeddings.start(sparse)
             else:
                 pending = _Pooled(self.embeddings(sparse))
+        if self.config.num_dense == 0:  # (B, 0): the bottom MLP reads a constant 1
+            dense = dense.new_ones(sparse.batch_size, 1)
         with record_function("tetrarec/dense_arch"), self._autocast(dense):
             x = self.dense_arch(dense)  # (B, D)
         pooled = pending.wait()  # values (B, F*D), FP32

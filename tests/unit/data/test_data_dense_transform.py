@@ -234,6 +234,23 @@ def test_non_finite_training_value_names_column_and_row(tmp_path) -> None:
         build_datasets(pq_config(p, dense_transform=["none", "standardize"]), PQ_TABLES)
 
 
+def test_log1p_standardize_uses_the_statistics_of_the_logged_training_rows(tmp_path) -> None:
+    """Bugs caught: statistics of the raw values (not of their logs), the log skipped at
+    apply time, or negative counts logged without the ``max(x, 0)``."""
+    age = [0.0, 9.0, 99.0, 999.0, -5.0, 3.0]
+    year = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    p = parquet_file(tmp_path / "a.parquet", age, year)
+    cfg = pq_config(p, train_rows=(0, 4), dense_transform=["log1p_standardize", "none"])
+    train, held = build_datasets(cfg, PQ_TABLES)
+    logs = np.log1p(np.maximum(np.array(age), 0.0))
+    mean, std = logs[:4].mean(), logs[:4].std()
+    assert train.transform.mean[0] == pytest.approx(mean, rel=1e-12)
+    assert train.transform.std[0] == pytest.approx(std, rel=1e-12)
+    got = np.concatenate([dense_of(train), dense_of(held)])
+    np.testing.assert_allclose(got[:, 0], (logs - mean) / std, rtol=1e-6)
+    np.testing.assert_array_equal(got[:, 1], year)
+
+
 # --- per-column lists and clipping --------------------------------------------------------
 
 

@@ -336,3 +336,27 @@ def test_mlp_dropout_spares_the_last_layer_output() -> None:
         torch.testing.assert_close(out, two.linears[1](hidden), rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\), got 1\.5"):
         MLP(6, [5], final_activation=False, dropout=1.5)
+
+
+@pytest.mark.parametrize("arch", ["dlrm", "dcn"])
+def test_models_without_dense_features_learn_a_first_order_weight_per_id(arch: str) -> None:
+    # Categorical-only data (Avazu): the bottom MLP reads a constant 1. Bugs caught: a
+    # (B, 0) input crashing the bottom MLP, the constant's batch size taken from the
+    # empty dense tensor, or a bottom MLP that does not train (its output never changes).
+    gen = torch.Generator().manual_seed(0)
+    model = _model(arch, num_dense=0)
+    sparse = _features(gen)
+    empty = torch.zeros(B, 0)
+    logits = model(empty, sparse)
+    assert logits.shape == (B,)
+    with pytest.raises(ValueError, match="num_dense must be >= 0"):
+        _config(num_dense=-1)
+    x_before = model.dense_arch(torch.ones(1, 1)).detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    labels = (torch.arange(B) % 2).float()
+    for _ in range(3):
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(empty, sparse), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert not torch.equal(model.dense_arch(torch.ones(1, 1)).detach(), x_before)
