@@ -10,6 +10,8 @@
     tetrarec preprocess criteo --input FILE ... --output DIR [--on-bad-line skip]
     tetrarec preprocess csv|parquet --config run.toml --output FILE.parquet
                                     [--input FILE ...] [--on-bad-line skip] [--set k=v ...]
+    tetrarec stats --config run.toml [--rows N] [--json PATH] [--set k=v ...]
+                                                    per-feature pooling and access skew
     tetrarec bench NAME [args ...]                  runs benchmarks/bench_NAME.py
 
 tetrarec's own errors print one line on stderr (``tetrarec COMMAND: error: ...``), never
@@ -124,6 +126,24 @@ def _parser() -> argparse.ArgumentParser:
         _add_set(p)
         p.add_argument("--no-progress", action="store_true")
 
+    # --- tetrarec stats (the planner's per-feature inputs) ---
+    stats = sub.add_parser(
+        "stats",
+        help="measure each feature's pooling and access skew on the training rows",
+        description="Read the first training rows of the run's data and print, per feature, "
+        "its table's rows, the mean ids per bag, the share of lookups that hit the hottest "
+        "1%% and 5%% of the table's rows and how many rows were touched (definitions: "
+        "tetrarec.planner.stats). --json writes what the planner reads.",
+    )
+    stats.add_argument("--config", required=True, type=Path, help="the run's TOML file")
+    stats.add_argument(
+        "--rows",
+        type=int,
+        help="training rows to read from the start (default: all, at most 1,000,000)",
+    )
+    stats.add_argument("--json", metavar="PATH", help="write the statistics as JSON")
+    _add_set(stats)
+
     bench = sub.add_parser("bench", help="run benchmarks/bench_NAME.py from the source tree")
     bench.add_argument("name")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script")
@@ -220,6 +240,22 @@ def _preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stats(args: argparse.Namespace) -> int:
+    from tetrarec.config import RunConfig
+    from tetrarec.data import build_datasets
+    from tetrarec.planner import feature_stats
+    from tetrarec.train.build import build_tables
+
+    config = RunConfig.from_toml(args.config, args.overrides)
+    tables = build_tables(config.model)
+    train, _ = build_datasets(config.data, tables)
+    result = feature_stats(train, tables, rows=args.rows, batch_size=config.data.batch_size)
+    print(f"{result.rows_sampled:,} training rows read (batch size {result.batch_size:,})")
+    print(result.format_table())
+    _write_json(args.json, result.to_json())
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     script = _REPO_ROOT / "benchmarks" / f"bench_{args.name}.py"
     if not script.is_file():
@@ -239,6 +275,7 @@ _COMMANDS = {
     "train": _train,
     "eval": _eval,
     "preprocess": _preprocess,
+    "stats": _stats,
     "bench": _bench,
 }
 
