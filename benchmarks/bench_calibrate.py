@@ -1,0 +1,421 @@
+"""Calibrate the planner's cost model on this machine and write a topology TOML.
+
+Measures, on this machine:
+
+- ``gather``: random-row gather bandwidth from host memory: bytes of rows gathered per
+  second from one FP32 table of ``--gather-gib`` GiB (much larger than the CPU caches),
+  uniform random ids, 64 floats a row; by ``torch.index_select`` and by tetrarec's
+  fused collection forward with one id per bag (the lookup the kernels run). The
+  topology's ``host_bandwidth`` is tetrarec's figure;
+- ``matmul``: FP32 GEMM rate (FLOP/s, ``2 M N K`` per product) at DLRM-like MLP shapes
+  (batch 2048 against layers of 512-1024 units); ``matmul_flops`` is the median over
+  the shapes;
+- ``all_to_all``: tetrarec's ``Communicator.all_to_all_v`` on gloo ranks of this
+  machine (loopback) at world sizes 2 and 4, one float per peer (latency) and
+  ``--a2a-mib`` MiB per peer (bandwidth); each rank times the calls after a barrier, and
+  the slowest rank's median counts (a collective ends when its last rank does). With
+  ``t(bytes) = latency + bytes / bandwidth``: ``latency = t(small)`` and ``bandwidth =
+  (bytes sent to peers, large - small) / (t(large) - t(small))`` per rank, one
+  direction. World size 2 gives ``intra_node_bandwidth`` and ``collective_latency_s``;
+- ``ssd``: random 4 KiB reads (``os.pread``, one at a time) of a fresh temporary file of
+  ``--ssd-mib`` MiB in ``--ssd-dir``, whose pages are first dropped from the page cache
+  (``posix_fadvise(DONTNEED)`` after ``fsync``). Where the directory is a ``tmpfs`` (RAM)
+  the figure is memory's, and the row says so; one read at a time underestimates an
+  NVMe drive's parallel rate.
+
+Capacities: ``host_memory`` is ``MemTotal`` of ``/proc/meminfo`` split over the ranks of
+the node, ``ssd`` the free space of ``--ssd-dir`` split the same way; the device fields
+are 0 (no accelerator is used). One node is measured: ``inter_node_bandwidth`` is the
+loopback figure too (a comment in the file says so). Loopback gloo between processes
+that share two cores is not a network: it measures memory copies and scheduling.
+
+    python benchmarks/bench_calibrate.py --out topology.toml --json calibrate.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+_HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE))
+sys.path.insert(1, str(_HERE.parent))  # run from a checkout without installing
+from _harness import (  # noqa: E402
+    describe_run,
+    git_sha,
+    kernel_summary,
+    measure,
+    print_table,
+    write_json,
+)
+
+DIM = 64  # floats per gathered row (a typical DLRM embedding dim)
+GATHER_IDS = 65_536  # ids per timed gather call
+# (M, K, N): batch 2048 through DLRM-like MLP layers (Criteo DLRM top MLP 1024-1024-512)
+MATMUL_SHAPES = ((2048, 512, 256), (2048, 1024, 1024), (2048, 512, 1024), (2048, 479, 1024))
+SMOKE_MATMUL_SHAPES = ((256, 128, 128), (256, 256, 256))
+SSD_BLOCK = 4096
+RANKS_PER_NODE = 2
+
+
+# --- (a) random-row gather --------------------------------------------------------------
+
+
+def gather_rows(gib: float, iters: int) -> list[dict[str, Any]]:
+    """Random-row gather bandwidth of ``index_select`` and of tetrarec's fused forward."""
+    num_rows = max(GATHER_IDS, int(gib * 2**30) // (DIM * 4))
+    ids_per_call = min(GATHER_IDS, num_rows)
+    gen = torch.Generator().manual_seed(0)
+    batches = [
+        torch.randint(0, num_rows, (ids_per_call,), generator=gen, dtype=torch.int64)
+        for _ in range(8)
+    ]
+    moved = ids_per_call * DIM * 4
+    # one table at a time: each is --gather-gib, freed before the next is built
+    rows = [_gather_index_select(num_rows, batches, moved, iters)]
+    rows.append(_gather_fused(num_rows, batches, moved, iters))
+    return rows
+
+
+def _gather_index_select(
+    num_rows: int, batches: list[torch.Tensor], moved: int, iters: int
+) -> dict[str, Any]:
+    table = torch.empty(num_rows, DIM).uniform_(-0.01, 0.01)  # touched: pages are resident
+    buf = torch.empty(batches[0].numel(), DIM)
+    it = iter(range(10**9))
+    t = measure(
+        lambda: torch.index_select(table, 0, batches[next(it) % len(batches)], out=buf),
+        warmup=2,
+        iters=iters,
+    )
+    return _gather_row("index_select", t.median, moved, num_rows, kernels=None)
+
+
+def _gather_fused(num_rows: int, batches: list[torch.Tensor], moved: int, iters: int) -> Any:
+    from tetrarec.embedding import SparseOptimizerSpec, TableConfig
+    from tetrarec.kernels import FusedEmbeddingBagCollection
+    from tetrarec.sparse import SparseFeatures
+
+    table = TableConfig(name="t", num_embeddings=num_rows, dim=DIM)
+    ebc = FusedEmbeddingBagCollection([table], SparseOptimizerSpec(kind="sgd", lr=0.01), seed=0)
+    n = batches[0].numel()
+    ones = torch.ones(n, dtype=torch.int64)
+    feats = [SparseFeatures(("t",), b, ones, n) for b in batches]
+    it = iter(range(10**9))
+
+    def forward() -> None:
+        with torch.no_grad():
+            ebc(feats[next(it) % len(feats)])
+
+    t = measure(forward, warmup=2, iters=iters)
+    return _gather_row(
+        "tetrarec-fused-forward", t.median, moved, num_rows, kernels=kernel_summary()["kernels"]
+    )
+
+
+def _gather_row(impl: str, seconds: float, moved: int, rows: int, kernels: str | None) -> Any:
+    row = {
+        "impl": impl,
+        "what": "gather",
+        "table_gib": rows * DIM * 4 / 2**30,
+        "ms": seconds * 1e3,
+        "value": moved / seconds,
+        "unit": "B/s",
+    }
+    if kernels is not None:
+        row["kernels"] = kernels
+    return row
+
+
+# --- (b) matmul ----------------------------------------------------------------------------
+
+
+def matmul_rows(shapes: tuple[tuple[int, int, int], ...], iters: int) -> list[dict[str, Any]]:
+    """FP32 GEMM FLOP/s of ``torch.mm`` at each ``(M, K, N)``."""
+    out = []
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        c = torch.empty(m, n)
+        t = measure(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), warmup=2, iters=iters)
+        out.append(
+            {
+                "impl": "torch.mm-fp32",
+                "what": f"matmul {m}x{k}x{n}",
+                "ms": t.median * 1e3,
+                "value": 2 * m * n * k / t.median,
+                "unit": "FLOP/s",
+            }
+        )
+    return out
+
+
+# --- (c) all-to-all -----------------------------------------------------------------------
+
+
+def a2a_worker(ctx: Any, sizes: tuple[int, ...], iters: int) -> dict[str, list[float]]:
+    """Time ``all_to_all_v`` with ``n`` floats per peer for each ``n`` in ``sizes``."""
+    w = ctx.world_size
+    out: dict[str, list[float]] = {}
+    for n in sizes:
+        x = torch.ones(n * w)
+        splits = [n] * w
+        for _ in range(3):
+            ctx.comm.all_to_all_v(x, send_splits=splits, recv_splits=splits, label="calib").wait()
+        times = []
+        for _ in range(iters):
+            ctx.comm.barrier(label="calib")
+            t0 = time.perf_counter()
+            ctx.comm.all_to_all_v(x, send_splits=splits, recv_splits=splits, label="calib").wait()
+            times.append(time.perf_counter() - t0)
+        out[str(n)] = times
+    return out
+
+
+def a2a_rows(worlds: list[int], large_floats: int, iters: int) -> list[dict[str, Any]]:
+    """Latency and bandwidth of all-to-all at each world size (one spawn per size)."""
+    from tetrarec.testing import run_ranks
+
+    rows = []
+    for w in worlds:
+        res = run_ranks(
+            a2a_worker,
+            world_size=w,
+            args=((1, large_floats), iters),
+            timeout_s=600,
+            collective_timeout_s=120,
+            deterministic=False,
+        )
+        # a collective ends when its slowest rank does
+        small = max(statistics.median(r["1"]) for r in res)
+        large = max(statistics.median(r[str(large_floats)]) for r in res)
+        extra = (w - 1) * (large_floats - 1) * 4  # bytes each rank sends to its peers
+        bandwidth = extra / (large - small) if large > small else extra / large
+        rows.append(
+            {
+                "impl": "gloo-loopback",
+                "what": f"all_to_all latency W={w}",
+                "world_size": w,
+                "ms": small * 1e3,
+                "value": small,
+                "unit": "s",
+            }
+        )
+        rows.append(
+            {
+                "impl": "gloo-loopback",
+                "what": f"all_to_all bandwidth W={w}",
+                "world_size": w,
+                "bytes_per_peer": large_floats * 4,
+                "ms": large * 1e3,
+                "value": bandwidth,
+                "unit": "B/s",
+            }
+        )
+    return rows
+
+
+# --- (d) SSD random reads -------------------------------------------------------------------
+
+
+def fs_type(path: Path) -> str:
+    """The file system type of the mount holding ``path`` (``/proc/mounts``)."""
+    best, kind = "", "unknown"
+    target = str(path.resolve())
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                mount = parts[1]
+                inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) > len(best):
+                    best, kind = mount, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def ssd_row(directory: Path, mib: int, reads: int) -> dict[str, Any]:
+    """Random 4 KiB read bandwidth of a fresh file in ``directory``, its cache dropped."""
+    size = mib * 2**20
+    blocks = size // SSD_BLOCK
+    kind = fs_type(directory)
+    with tempfile.NamedTemporaryFile(dir=directory, prefix="tetrarec-calib-") as f:
+        chunk = os.urandom(2**20)
+        for _ in range(mib):
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, size, os.POSIX_FADV_DONTNEED)
+        offsets = np.random.default_rng(0).integers(0, blocks, reads) * SSD_BLOCK
+        t0 = time.perf_counter()
+        for off in offsets.tolist():
+            os.pread(f.fileno(), SSD_BLOCK, off)
+        seconds = time.perf_counter() - t0
+    bandwidth = reads * SSD_BLOCK / seconds
+    if kind == "tmpfs":
+        note = "tmpfs: the file is in RAM, this is memory's rate"
+    elif bandwidth > 4e9:
+        note = "faster than any SSD at queue depth 1: the page cache still served the reads"
+    else:
+        note = "page cache dropped (fadvise DONTNEED); queue depth 1"
+    return {
+        "impl": "pread-4k",
+        "what": "ssd random read",
+        "fs": kind,
+        "file_mib": mib,
+        "reads": reads,
+        "ms": seconds / reads * 1e3,
+        "value": bandwidth,
+        "unit": "B/s",
+        "note": note,
+    }
+
+
+# --- the topology file --------------------------------------------------------------------
+
+
+def host_memory_bytes() -> int:
+    """``MemTotal`` of ``/proc/meminfo`` in bytes."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemTotal line")
+
+
+def topology(results: list[dict[str, Any]], ssd_dir: Path) -> dict[str, Any]:
+    """The topology fields (shared schema) from the measured rows."""
+
+    def pick(what: str, impl: str | None = None) -> float:
+        return float(
+            next(r["value"] for r in results if r["what"] == what and impl in (None, r["impl"]))
+        )
+
+    ssd_rows = [r for r in results if r["what"] == "ssd random read"]
+    matmul = statistics.median(r["value"] for r in results if r["what"].startswith("matmul"))
+    a2a = pick(f"all_to_all bandwidth W={RANKS_PER_NODE}")
+    return {
+        "name": "calibrated-" + re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname()),
+        "nodes": 1,
+        "ranks_per_node": RANKS_PER_NODE,
+        "collective_latency_s": pick(f"all_to_all latency W={RANKS_PER_NODE}"),
+        "intra_node_bandwidth": a2a,
+        "inter_node_bandwidth": a2a,
+        "rank": {
+            "device_memory": 0,
+            "host_memory": host_memory_bytes() // RANKS_PER_NODE,
+            "ssd": shutil.disk_usage(ssd_dir).free // RANKS_PER_NODE,
+            "device_bandwidth": 0,
+            "host_bandwidth": pick("gather", "tetrarec-fused-forward"),
+            "ssd_bandwidth": ssd_rows[0]["value"] if ssd_rows else 0.0,
+            "matmul_flops": matmul,
+        },
+    }
+
+
+def topology_toml(topo: dict[str, Any], header: list[str]) -> str:
+    """``topo`` as TOML (flat keys, then ``[rank]``), after ``header`` comment lines."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, int):
+            return str(v)
+        text = f"{float(v):.6g}"  # TOML floats need a "." or an exponent
+        return text if any(c in text for c in ".en") else text + ".0"
+
+    lines = [f"# {h}" for h in header]
+    lines += [f"{k} = {value(v)}" for k, v in topo.items() if not isinstance(v, dict)]
+    lines += ["", "[rank]"]
+    lines += [f"{k} = {value(v)}" for k, v in topo["rank"].items()]
+    return "\n".join(lines) + "\n"
+
+
+_T0 = time.perf_counter()
+
+
+def _progress(stage: str) -> None:
+    print(f"[{time.perf_counter() - _T0:6.1f} s] {stage}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=None, help="write the topology TOML here")
+    ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (smoke test)")
+    ap.add_argument("--gather-gib", type=float, default=1.0, help="gathered table size, GiB")
+    ap.add_argument("--a2a-mib", type=float, default=4.0, help="MiB per peer (bandwidth)")
+    ap.add_argument("--world-sizes", default="2,4", help="all-to-all world sizes")
+    ap.add_argument("--iters", type=int, default=20, help="timed calls per measurement")
+    ap.add_argument("--ssd-dir", type=Path, default=Path(tempfile.gettempdir()))
+    ap.add_argument("--ssd-mib", type=int, default=256, help="size of the SSD test file, MiB")
+    ap.add_argument("--no-ssd", action="store_true", help="skip the SSD read test")
+    args = ap.parse_args(argv)
+    worlds = sorted({RANKS_PER_NODE, *(int(w) for w in args.world_sizes.split(","))})
+    gib, a2a_mib, iters, ssd_mib = args.gather_gib, args.a2a_mib, args.iters, args.ssd_mib
+    shapes = MATMUL_SHAPES
+    if args.smoke:
+        gib, a2a_mib, iters, ssd_mib, shapes = 1 / 64, 0.25, 3, 4, SMOKE_MATMUL_SHAPES
+        worlds = [RANKS_PER_NODE]
+    started = datetime.datetime.now(datetime.UTC)
+    _progress("gather")
+    results = gather_rows(gib, iters)
+    _progress("matmul")
+    results += matmul_rows(shapes, iters)
+    _progress(f"all_to_all at world sizes {worlds}")
+    results += a2a_rows(worlds, max(2, int(a2a_mib * 2**20) // 4), iters)
+    if not args.no_ssd:
+        _progress("ssd")
+        results.append(ssd_row(args.ssd_dir, ssd_mib, 64 if args.smoke else 2000))
+    topo = topology(results, args.ssd_dir)
+    ssd = next((r for r in results if r["what"] == "ssd random read"), None)
+    header = [
+        f"written by `tetrarec bench calibrate` on {socket.gethostname()} at "
+        f"{started:%Y-%m-%d %H:%M} UTC (git {git_sha()}){', SMOKE sizes' if args.smoke else ''}",
+        f"host_bandwidth: random {DIM * 4}-byte rows gathered by tetrarec's fused forward "
+        f"from a {gib:g} GiB table",
+        f"matmul_flops: median FP32 torch.mm rate over (M, K, N) = {list(shapes)}",
+        f"collective_latency_s, intra_node_bandwidth: all_to_all_v on {RANKS_PER_NODE} gloo "
+        f"ranks of this machine (loopback: memory copies, not a network), {a2a_mib:g} MiB/peer",
+        "inter_node_bandwidth: NOT measured (one node): the intra-node figure",
+        "host_memory: MemTotal / ranks_per_node; ssd: free space of "
+        f"{args.ssd_dir} / ranks_per_node; device_*: 0 (no accelerator)",
+        "ssd_bandwidth: "
+        + (f"random 4 KiB preads, {ssd['note']}" if ssd else "not measured (--no-ssd): 0"),
+    ]
+    text = topology_toml(topo, header)
+    print(describe_run())
+    print_table(results, ["impl", "what", "ms", "value", "unit"])
+    print()
+    print(text, end="")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        print(f"wrote {args.out}", file=sys.stderr)
+    config = {
+        "smoke": args.smoke,
+        "gather_gib": gib,
+        "a2a_mib_per_peer": a2a_mib,
+        "world_sizes": worlds,
+        "iters": iters,
+        "matmul_shapes": [list(s) for s in shapes],
+        "topology": topo,
+    }
+    write_json(args.json, config, results)
+
+
+if __name__ == "__main__":
+    main()

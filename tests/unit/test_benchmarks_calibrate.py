@@ -1,0 +1,64 @@
+"""``bench calibrate`` writes a topology file in the planner's schema, from measurements.
+
+The plain smoke run (``test_benchmarks_smoke.py``) checks the report; this checks the
+TOML it writes: it parses, holds every key of the shared schema, and its measured
+fields are positive and the same figures as the JSON's rows.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+TOP_KEYS = {
+    "name", "nodes", "ranks_per_node", "collective_latency_s", "intra_node_bandwidth",
+    "inter_node_bandwidth", "rank",
+}  # fmt: skip
+RANK_KEYS = {
+    "device_memory", "host_memory", "ssd", "device_bandwidth", "host_bandwidth",
+    "ssd_bandwidth", "matmul_flops",
+}  # fmt: skip
+MEASURED = ("host_memory", "ssd", "host_bandwidth", "ssd_bandwidth", "matmul_flops")
+
+
+@pytest.mark.timeout(300)
+def test_calibrate_writes_a_topology_of_measured_figures(tmp_path: Path) -> None:
+    """Fails if the TOML does not parse, misses or renames a schema key, holds a
+    non-positive measured figure (a failed or skipped measurement), or differs from the
+    rows it was derived from (latency, all-to-all bandwidth, gather rate)."""
+    out, js = tmp_path / "topo.toml", tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench_calibrate.py"), "--smoke", "--out", str(out),
+         "--json", str(js), "--ssd-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=280, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = out.read_text()
+    assert text.startswith("# written by `tetrarec bench calibrate`")
+    topo = tomllib.loads(text)
+    assert set(topo) == TOP_KEYS
+    assert set(topo["rank"]) == RANK_KEYS
+    assert topo["name"].startswith("calibrated-")
+    assert (topo["nodes"], topo["ranks_per_node"]) == (1, 2)
+    assert topo["collective_latency_s"] > 0
+    assert topo["intra_node_bandwidth"] > 0
+    assert topo["inter_node_bandwidth"] > 0
+    for key in MEASURED:
+        assert topo["rank"][key] > 0, key
+    assert topo["rank"]["device_memory"] == topo["rank"]["device_bandwidth"] == 0
+    rows = json.loads(js.read_text())["results"]
+
+    def row(what: str, impl: str | None = None) -> float:
+        return next(r["value"] for r in rows if r["what"] == what and impl in (None, r["impl"]))
+
+    assert topo["collective_latency_s"] == pytest.approx(row("all_to_all latency W=2"), 1e-5)
+    assert topo["intra_node_bandwidth"] == pytest.approx(row("all_to_all bandwidth W=2"), 1e-5)
+    gather = row("gather", "tetrarec-fused-forward")
+    assert topo["rank"]["host_bandwidth"] == pytest.approx(gather, 1e-5)
+    assert topo["rank"]["ssd_bandwidth"] == pytest.approx(row("ssd random read"), 1e-5)
