@@ -344,6 +344,13 @@ def topology_toml(topo: dict[str, Any], header: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def human(value: float, unit: str) -> str:
+    """``value`` in ``unit`` for the printed table: GB/s, GFLOP/s, ms."""
+    if unit == "s":
+        return f"{value * 1e3:.3f} ms"
+    return f"{value / 1e9:.3f} G{unit}"
+
+
 _T0 = time.perf_counter()
 
 
@@ -398,7 +405,9 @@ def main(argv: list[str] | None = None) -> None:
     ]
     text = topology_toml(topo, header)
     print(describe_run())
-    print_table(results, ["impl", "what", "ms", "value", "unit"])
+    for r in results:
+        r["figure"] = human(r["value"], r["unit"])
+    print_table(results, ["impl", "what", "ms", "figure"])
     print()
     print(text, end="")
     if args.out is not None:

@@ -132,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
         help="measure each feature's pooling and access skew on the training rows",
         description="Read the first training rows of the run's data and print, per feature, "
         "its table's rows, the mean ids per bag, the share of lookups that hit the hottest "
-        "1%% and 5%% of the table's rows and how many rows were touched (definitions: "
+        "1% and 5% of the table's rows and how many rows were touched (definitions: "
         "tetrarec.planner.stats). --json writes what the planner reads.",
     )
     stats.add_argument("--config", required=True, type=Path, help="the run's TOML file")

@@ -182,3 +182,33 @@ def test_cli_error_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str
     err = capsys.readouterr().err.strip()
     assert err.startswith("tetrarec stats: error: rows must be positive")
     assert "\n" not in err
+
+
+def test_cli_on_the_criteo_sample_matches_an_independent_count(
+    shared_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fails if, on real one-hot data read through the run's pipeline (hashing into 20,000
+    rows), a feature's counts are mixed with another's (a key-major offset error) or
+    differ from a plain per-row count of the same rows."""
+    from tetrarec.config import RunConfig
+    from tetrarec.data import build_datasets
+    from tetrarec.train.build import build_tables
+
+    monkeypatch.chdir(REPO)  # the recipe's data path is relative to the checkout
+    recipe = REPO / "examples" / "criteo_kaggle_sample.toml"
+    out = tmp_path / "stats.json"
+    assert main(["stats", "--config", str(recipe), "--rows", "3000", "--json", str(out)]) == 0
+    stats = FeatureStats.from_json(json.loads(out.read_text()))
+    config = RunConfig.from_toml(recipe)
+    tables = build_tables(config.model)
+    train, _ = build_datasets(config.data, tables)
+    sparse = train.read(np.arange(3000)).sparse
+    ids = sparse.values.view(len(sparse.keys), 3000).numpy()  # one id per bag: (F, B)
+    assert stats.rows_sampled == 3000
+    for key, row_ids in zip(sparse.keys, ids):
+        counts = sorted(np.unique(row_ids, return_counts=True)[1].tolist(), reverse=True)
+        s = stats.features[key]
+        assert s.mean_pooling == 1.0
+        assert s.distinct_rows == len(counts)
+        assert s.hot_1pct == pytest.approx(sum(counts[:200]) / 3000)  # ceil(1% of 20,000)
+        assert s.hot_5pct == pytest.approx(sum(counts[:1000]) / 3000)
