@@ -273,8 +273,9 @@ def feature_stats(
         The statistics, one entry per feature in feature order.
 
     Raises:
-        ValueError: if ``rows`` or ``chunk_rows`` is not positive, the dataset's
-            features are not the tables' features, or an id lies outside its table.
+        ValueError: if ``rows`` or ``chunk_rows`` is not positive, the dataset has no
+            rows, its features are not the tables' features, or an id lies outside its
+            table.
     """
     if rows is not None and rows <= 0:
         raise ValueError(f"rows must be positive (or None for all), got {rows}")
@@ -288,6 +289,8 @@ def feature_stats(
         )
     table_of = {f: t for t in tables for f in t.feature_names}
     n = min(dataset.num_samples, DEFAULT_MAX_ROWS if rows is None else rows)
+    if n == 0:
+        raise ValueError("the training data has no rows to measure")
     if rows is None and dataset.num_samples > DEFAULT_MAX_ROWS:
         logger.info(
             "reading the first %d of %d rows (pass rows= to read more)", n, dataset.num_samples
