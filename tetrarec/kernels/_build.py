@@ -8,7 +8,10 @@ The build directory is keyed by everything that changes the binary: the bytes of
 file in ``csrc/``, the compile and link flags, the compiler (``CXX``), the torch version
 and this CPU's model and feature flags (the kernels are built with ``-march=native``).
 Two checkouts with different sources on one machine therefore keep two builds instead
-of rebuilding each other's on every run.
+of rebuilding each other's on every run. Checkouts with the same sources share one
+build: the sources are compiled from a copy staged in the build directory
+(``<build>/src``), so the paths ninja records are the same from every checkout (compiled
+from the checkouts' own paths, each checkout's first run would rebuild the other's).
 
 If compilation fails (no compiler, no ninja, a compile error), one warning is logged and
 the portable PyTorch path in ``reference.py`` runs instead, unless a failed build must
@@ -110,20 +113,44 @@ def _build_dir(key: str) -> Path:
     return path
 
 
+def _staged_sources(build_dir: Path) -> Path:
+    """``csrc``'s sources copied into ``build_dir/src`` (only files whose bytes differ).
+
+    A file is rewritten only when its bytes changed (never for an identical copy, whose
+    new mtime would make ninja rebuild), through a temporary name and a rename, so a
+    reader never sees half a file.
+    """
+    src = build_dir / "src"
+    src.mkdir(exist_ok=True)
+    for path in sorted(_CSRC.iterdir()):
+        if path.suffix not in (".cpp", ".h"):
+            continue
+        data = path.read_bytes()
+        staged = src / path.name
+        if staged.is_file() and staged.read_bytes() == data:
+            continue
+        tmp = src / f".{path.name}.{os.getpid()}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, staged)
+    return src
+
+
 def _compile() -> ModuleType:
     from torch.utils import cpp_extension
 
     start = time.perf_counter()
     key = build_key()
+    build_dir = _build_dir(key)
+    src = _staged_sources(build_dir)
     module = cpp_extension.load(
         # One module name per build: torch numbers the builds of a name within a process
         # and would rebuild another build directory's under a new number.
         name=f"tetrarec_cpu_{key}",
-        sources=[str(_CSRC / f"{name}.cpp") for name in _SOURCES],
-        extra_include_paths=[str(_CSRC)],
+        sources=[str(src / f"{name}.cpp") for name in _SOURCES],
+        extra_include_paths=[str(src)],
         extra_cflags=list(_CFLAGS),
         extra_ldflags=list(_LDFLAGS),
-        build_directory=str(_build_dir(key)),
+        build_directory=str(build_dir),
         verbose=False,
     )
     logger.info("tetrarec CPU kernels ready in %.1f s", time.perf_counter() - start)

@@ -154,3 +154,27 @@ def test_training_time_excludes_the_kernel_build(
     result = train(config)
     assert "cpu" in _build._STATE  # the (slow) build did happen in this run
     assert result.train_seconds < build_s
+
+
+def test_sources_are_staged_once_so_checkouts_share_a_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fails if staging rewrites an identical file (its new mtime would make ninja rebuild
+    the shared build on every run from another checkout), or misses a changed one."""
+    from tetrarec.kernels import _build
+
+    checkout = _checkout(tmp_path / "checkout")
+    monkeypatch.setattr(_build, "_CSRC", checkout)
+    build = tmp_path / "build"
+    build.mkdir()
+    src = _build._staged_sources(build)
+    staged = sorted(p.name for p in src.iterdir())
+    assert staged == sorted(p.name for p in checkout.iterdir() if p.suffix in (".cpp", ".h"))
+    assert all((src / n).read_bytes() == (checkout / n).read_bytes() for n in staged)
+    mtimes = {n: (src / n).stat().st_mtime_ns for n in staged}
+    _build._staged_sources(build)  # another checkout with the same sources
+    assert {n: (src / n).stat().st_mtime_ns for n in staged} == mtimes
+    (checkout / "copy_cpu.cpp").write_bytes(b"// edited\n")
+    _build._staged_sources(build)
+    assert (src / "copy_cpu.cpp").read_bytes() == b"// edited\n"
+    assert not list(src.glob(".*.tmp"))
