@@ -10,6 +10,8 @@
     tetrarec preprocess criteo --input FILE ... --output DIR [--on-bad-line skip]
     tetrarec preprocess csv|parquet --config run.toml --output FILE.parquet
                                     [--input FILE ...] [--on-bad-line skip] [--set k=v ...]
+    tetrarec plan --config run.toml --world-size N [--topology FILE|PRESET]
+                  [--stats stats.json] [--json plan.json] [--plot PATH]
     tetrarec bench NAME [args ...]                  runs benchmarks/bench_NAME.py
 
 tetrarec's own errors print one line on stderr (``tetrarec COMMAND: error: ...``), never
@@ -124,6 +126,7 @@ def _parser() -> argparse.ArgumentParser:
         _add_set(p)
         p.add_argument("--no-progress", action="store_true")
 
+    _add_plan(sub)
     bench = sub.add_parser("bench", help="run benchmarks/bench_NAME.py from the source tree")
     bench.add_argument("name")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script")
@@ -220,6 +223,46 @@ def _preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- tetrarec plan (the sharding planner) -------------------------------------------------
+
+
+def _add_plan(sub: Any) -> None:
+    plan = sub.add_parser("plan", help="plan the sharding of a run's tables and explain it")
+    plan.add_argument("--config", required=True, type=Path, help="the run's TOML file")
+    plan.add_argument("--world-size", required=True, type=int, help="ranks to plan for")
+    plan.add_argument(
+        "--topology",
+        default="this-machine",
+        help="a topology TOML file or a preset (this-machine, gpu-node-8, zionex-16x8)",
+    )
+    plan.add_argument("--stats", type=Path, help="feature statistics (tetrarec stats --json)")
+    plan.add_argument(
+        "--json", metavar="PATH", help="write the plan (sharding.plan) and PATH.report.json"
+    )
+    plan.add_argument("--plot", metavar="PATH", help="per-rank memory and time bars (PNG)")
+    _add_set(plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from tetrarec.config import RunConfig
+    from tetrarec.planner import Topology, inputs_from_config, plan
+    from tetrarec.planner.report import plot_report
+
+    config = RunConfig.from_toml(args.config, args.overrides)
+    topology = Topology.resolve(args.topology).resized(args.world_size)
+    sharding_plan, report = plan(inputs_from_config(config, topology, args.stats))
+    print(report.describe())
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        sharding_plan.save(args.json)
+        report.save(f"{args.json}.report.json")
+        print(f"wrote {args.json} (set sharding.plan to it) and {args.json}.report.json")
+    if args.plot:
+        plot_report(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     script = _REPO_ROOT / "benchmarks" / f"bench_{args.name}.py"
     if not script.is_file():
@@ -239,6 +282,7 @@ _COMMANDS = {
     "train": _train,
     "eval": _eval,
     "preprocess": _preprocess,
+    "plan": _plan,
     "bench": _bench,
 }
 
