@@ -188,30 +188,30 @@ class _Ranks:
         self.lookup = np.zeros(w)
         self.cin = np.zeros(w)
         self.cout = np.zeros(w)
-        # rows 0-2: the tiers; row 3: the rows (weights, state, cache) in the fast tier
-        self.mem = np.zeros((4, w))
+        self.mem = np.zeros((3, w))
         self.fast = TIER_ORDER.index(topo.fast_tier)
         self.u_in = self.u_out = self.u_buf = self.u_sec = 0.0
         self.groups: set[str] = set()
         # Every table's requester buffers (at their least, TW) are reserved in the fast
         # tier from the start, so that the big tables placed first cannot leave the
         # later ones no room for them.
-        # Likewise each table's holder buffers (ids in, outputs and gradients; as TW)
-        # are reserved 1/W on every rank, plus the largest once as slack.
+        # The shards' own buffers are kept room for by ``keep_free``.
         self.reserved = {t.name: _least_buffers(inputs, t) for t in inputs.tables}
-        held = [_holder_buffers(inputs, t) for t in inputs.tables]
         self.mem[self.fast] += sum(self.reserved.values())
-        caps = [topo.rank.capacity(t) for t in TIER_ORDER]
-        # The shards' own buffers go where their tables land, unknown yet: rows may fill
-        # the fast tier only up to what leaves twice their average share plus the
-        # largest one free.
-        budget = caps[self.fast] - sum(self.reserved.values())
-        budget -= FAST_BUFFER_MARGIN * sum(held) / w + max(held)
-        self.cap = np.array([*caps, max(budget, 0.0)])[:, None]
+        self.full = np.array([topo.rank.capacity(t) for t in TIER_ORDER])[:, None]
+        self.cap = self.full.copy()
         self.spb = link_seconds_per_byte(topo)
         compute, allreduce = dense_seconds(inputs)
         self.dense = compute + allreduce
         self.latency = topo.collective_latency_s
+
+    def keep_free(self, later: float) -> None:
+        """Leave ``later`` bytes of the fast tier free on every rank.
+
+        For the buffers of the shards of the tables not yet placed, which go where those
+        tables land.
+        """
+        self.cap[self.fast] = max(float(self.full[self.fast, 0]) - later, 0.0)
 
     def fixed(self, groups: set[str]) -> float:
         return self.u_sec + self.dense + self.latency * latency_collectives(groups)
@@ -225,17 +225,14 @@ class _Ranks:
             self.lookup[r] += sign * cost.lookup_s
             self.cin[r] += sign * cost.bytes_in
             self.cout[r] += sign * cost.bytes_out
-            self.mem[:3, r] += sign * np.asarray(cost.memory)
-            self.mem[3, r] += sign * cost.fast_rows
+            self.mem[:, r] += sign * np.asarray(cost.memory)
 
     def add_uniform(self, u: Uniform, group: str, table: str) -> None:
         self.u_in += u.bytes_in
         self.u_out += u.bytes_out
         self.u_buf += u.buffers
         self.u_sec += u.seconds
-        extra = u.buffers - self.reserved.pop(table)
-        self.mem[self.fast] += extra
-        self.mem[3] += extra  # beyond the reservation, it takes room from the rows
+        self.mem[self.fast] += u.buffers - self.reserved.pop(table)
         self.groups.add(group)
 
 
@@ -257,9 +254,9 @@ def _evaluate(
     cost = shard_cost(inputs, table, option, rows, pieces[0][1])
     u = uniform_cost(inputs, table, option)
     group = GROUP_OF[option.sharding]
-    need = np.asarray([*cost.memory, cost.fast_rows])[:, None]
-    ubuf = np.zeros((4, 1))
-    ubuf[st.fast] = ubuf[3] = u.buffers - st.reserved[table.name]  # beyond its reservation
+    need = np.asarray(cost.memory)[:, None]
+    ubuf = np.zeros((3, 1))
+    ubuf[st.fast] = u.buffers - st.reserved[table.name]  # beyond its reservation
     free = st.cap - st.mem - ubuf  # (3, W) after the uniform part
     if (free < 0).any():
         tier = TIER_ORDER[st.fast]
@@ -312,7 +309,7 @@ def _short(
 ) -> tuple[Tier, float, float]:
     """The tier that blocks ``option`` and its shortfall on the k-th best rank."""
     worst: tuple[Tier, float, float] | None = None
-    for i, tier in enumerate((*TIER_ORDER, TIER_ORDER[fast])):
+    for i, tier in enumerate(TIER_ORDER):
         if need[i, 0] <= 0:
             continue
         room = np.sort(free[i])[::-1]
@@ -384,46 +381,26 @@ def _search(inputs: PlannerInputs, margin: float) -> tuple[ShardingPlan, tuple[T
     later = sum(_least_work(inputs, t) for t in order)
     least = {t.name: _least_bytes(t) for t in order}
     still = sum(least.values())  # bytes the tables not yet placed need at least
+    held = [_holder_buffers(inputs, t) for t in order]
+    after_sum = np.cumsum([0.0, *held[::-1]])[::-1][1:]  # held of the tables after i
+    w = topo.world_size
     chosen: dict[str, tuple[Option, _Eval, str, int]] = {}
     failures: list[Shortfall] = []
-    for table in order:
+    top_held = max(held)
+    for index, table in enumerate(order):
         opts = candidates(inputs, table)
         later -= _least_work(inputs, table)
         still -= least[table.name]
-        room = float((st.cap[:3] - st.mem[:3]).sum())
-        best_by_precision: list[_Eval | None] = []
-        options_of: list[Option | None] = []
-        closest: tuple[Tier, float, float] | None = None
-        fitting = 0
-        tw_fast: object = None
-        for precision in table.precisions:
-            best: _Eval | None = None
-            best_opt: Option | None = None
-            for i, opt in enumerate(opts):
-                if opt.precision is not precision:
-                    continue
-                ev = _evaluate(st, table, opt, i, max(later, 0.0))
-                if (
-                    tw_fast is None
-                    and opt.sharding is ShardingType.TABLE_WISE
-                    and opt.tier is topo.fast_tier
-                    and opt.cache_tier is None
-                ):
-                    tw_fast = ev
-                if isinstance(ev, tuple):
-                    if closest is None or ev[2] < closest[2]:
-                        closest = ev
-                    continue
-                fitting += 1
-                if best is None or ev.score < best.score:
-                    best, best_opt = ev, opt
-            if best is not None and precision is not table.precisions[-1]:
-                added = sum(best.cost.memory) * len(best.ranks) + best.uniform.buffers * st.w
-                if room - added < margin * still:
-                    best = best_opt = None  # the tables after it would not fit: go lower
-            best_by_precision.append(best)
-            options_of.append(best_opt)
-        pick = _pick_precision(best_by_precision)
+        # Room is kept in the fast tier for the buffers of the tables after this one;
+        # when that leaves this one nowhere, it may use that room (a preference, not a
+        # limit: the last tables can always take what is left).
+        for keep in (FAST_BUFFER_MARGIN * after_sum[index] / w + top_held, 0.0):
+            st.keep_free(keep)
+            found = _best_options(st, inputs, table, opts, later, still, margin)
+            best_by_precision, options_of, closest, fitting, tw_fast = found
+            pick = _pick_precision(best_by_precision)
+            if pick is not None:
+                break
         if pick is None:
             tier, need, gap = closest if closest is not None else (topo.fast_tier, 0.0, 0.0)
             failures.append(Shortfall(table=table.name, tier=tier, need=need, shortfall=gap))
@@ -437,6 +414,7 @@ def _search(inputs: PlannerInputs, margin: float) -> tuple[ShardingPlan, tuple[T
         chosen[table.name] = (won_opt, won, why, fitting)
     if failures:
         raise PlannerError(failures, _hint(inputs))
+    st.keep_free(0.0)
     _improve(st, inputs, chosen)
     choices = tuple(_choice(inputs, t, *chosen[t.name]) for t in inputs.tables)
     plan = ShardingPlan(
@@ -464,6 +442,59 @@ def _holder_buffers(inputs: PlannerInputs, table: TableSpec) -> float:
         sharding=ShardingType.TABLE_WISE, blocks=1, tier=topo.fast_tier, precision=table.precision
     )
     return shard_cost(inputs, table, opt, table.rows, table.dim).buffers
+
+
+def _best_options(
+    st: _Ranks,
+    inputs: PlannerInputs,
+    table: TableSpec,
+    opts: Sequence[Option],
+    later: float,
+    still: float,
+    margin: float,
+) -> tuple[list[_Eval | None], list[Option | None], tuple[Tier, float, float] | None, int, object]:
+    """Per precision, the best fitting candidate of ``table``, and what the reason needs.
+
+    Returns:
+        The best per precision (``None``: none fits, or it would leave the later tables
+        too little room), their options, the closest miss, how many candidates fit, and
+        the evaluation of TW in the fast tier.
+    """
+    topo = inputs.topology
+    room = float((st.cap - st.mem).sum())
+    best_by_precision: list[_Eval | None] = []
+    options_of: list[Option | None] = []
+    closest: tuple[Tier, float, float] | None = None
+    fitting = 0
+    tw_fast: object = None
+    for precision in table.precisions:
+        best: _Eval | None = None
+        best_opt: Option | None = None
+        for i, opt in enumerate(opts):
+            if opt.precision is not precision:
+                continue
+            ev = _evaluate(st, table, opt, i, max(later, 0.0))
+            if (
+                tw_fast is None
+                and opt.sharding is ShardingType.TABLE_WISE
+                and opt.tier is topo.fast_tier
+                and opt.cache_tier is None
+            ):
+                tw_fast = ev
+            if isinstance(ev, tuple):
+                if closest is None or ev[2] < closest[2]:
+                    closest = ev
+                continue
+            fitting += 1
+            if best is None or ev.score < best.score:
+                best, best_opt = ev, opt
+        if best is not None and precision is not table.precisions[-1]:
+            added = sum(best.cost.memory) * len(best.ranks) + best.uniform.buffers * st.w
+            if room - added < margin * still:
+                best = best_opt = None  # the tables after it would not fit: go lower
+        best_by_precision.append(best)
+        options_of.append(best_opt)
+    return best_by_precision, options_of, closest, fitting, tw_fast
 
 
 def _least_bytes(table: TableSpec) -> float:
@@ -523,7 +554,7 @@ def _improve(
                 continue
             st.add((worst,), ev.cost, -1.0)
             free = st.cap - st.mem
-            need = np.asarray([*ev.cost.memory, ev.cost.fast_rows])[:, None]
+            need = np.asarray(ev.cost.memory)[:, None]
             fits = (free >= need).all(axis=0)
             base = st.times()
             for r in (int(x) for x in np.flatnonzero(fits)):
