@@ -24,7 +24,14 @@ from tetrarec.planner.inputs import (
     state_bytes_per_row,
 )
 from tetrarec.planner.report import PlanReport, RankReport, TableReport, evaluate
-from tetrarec.planner.search import PlannerError, Shortfall, TableChoice, candidates, search
+from tetrarec.planner.search import (
+    PlannerError,
+    Shortfall,
+    TableChoice,
+    candidates,
+    fit_precisions,
+    search,
+)
 from tetrarec.planner.topology import RankResources, Tier, Topology, preset_names
 from tetrarec.sharding.plan import ShardingPlan
 
@@ -45,6 +52,7 @@ __all__ = [
     "candidates",
     "dense_cost",
     "evaluate",
+    "fit_precisions",
     "inputs_from_config",
     "load_stats",
     "plan",

@@ -14,13 +14,14 @@
    ``W_later`` is the least work the tables not yet placed will add (each whole in the
    fast tier, TW or RW, whichever is cheaper): a candidate that keeps every rank under
    that bound costs nothing, so the one adding the least total time wins the tie (LPT
-   with a look-ahead); further ties go to candidate order. The best candidate at the
-   preferred precision is kept unless a lower precision scores at least
-   ``PRECISION_GAIN`` better, or nothing fits, or it would leave less room (all tiers,
-   all ranks) than ``LOOKAHEAD_MARGINS`` times what the tables not yet placed need at
-   their lowest precision. Communication buffers must sit in the fast tier: every
-   table's least buffers are reserved there from the start, and rows may fill it only
-   up to what leaves ``FAST_BUFFER_MARGIN`` times the shards' average buffers free.
+   with a look-ahead); further ties go to candidate order. A lower precision than the
+   preferred one is taken only where it buys a faster tier (device, cached host, host,
+   cached SSD, SSD), where the preferred one does not fit, or where the preferred one
+   would leave less room (all tiers, all ranks) than ``LOOKAHEAD_MARGINS`` times what
+   the tables not yet placed need at their lowest precision. Communication buffers must
+   sit in the fast tier: every table's least requester buffers are reserved there from
+   the start, and room for ``FAST_BUFFER_MARGIN`` times the average shard buffers of
+   the tables still to place (plus the largest) is kept free while it can be.
 3. **Local improvement**: while it lowers the slowest rank's time, move a table-wise
    table off the slowest rank to the rank where the new slowest time is lowest.
 
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -56,20 +57,20 @@ from tetrarec.types import ShardingType
 
 __all__ = [
     "DP_MAX_BYTES",
-    "PRECISION_GAIN",
     "PlannerError",
     "Shortfall",
     "TableChoice",
     "candidates",
+    "fit_precisions",
     "search",
 ]
 
 #: Largest table (weights + state) replicated on every rank.
 DP_MAX_BYTES = 16 * 2**20
-#: A lower precision than the preferred one must make the score this much better.
-PRECISION_GAIN = 0.95
 #: Fast-tier room kept for the shards' buffers: this many times their average share.
 FAST_BUFFER_MARGIN = 2.0
+#: Share of device + host memory the tables may fill before precisions are lowered.
+FAST_FILL = 0.8
 #: A precision is kept only if the room left after it is this many times what the
 #: tables not yet placed need at their lowest precision (one value per greedy pass).
 LOOKAHEAD_MARGINS = (1.1, 1.5, 3.0)
@@ -188,7 +189,10 @@ class _Ranks:
         self.lookup = np.zeros(w)
         self.cin = np.zeros(w)
         self.cout = np.zeros(w)
-        self.mem = np.zeros((3, w))
+        # rows 0-2: the tiers; row 3: rows (weights, state, cache) in the fast tier
+        # and buffers beyond their reservation, against a budget that leaves room for
+        # every table's buffers
+        self.mem = np.zeros((4, w))
         self.fast = TIER_ORDER.index(topo.fast_tier)
         self.u_in = self.u_out = self.u_buf = self.u_sec = 0.0
         self.groups: set[str] = set()
@@ -198,7 +202,11 @@ class _Ranks:
         # The shards' own buffers are kept room for by ``keep_free``.
         self.reserved = {t.name: _least_buffers(inputs, t) for t in inputs.tables}
         self.mem[self.fast] += sum(self.reserved.values())
-        self.full = np.array([topo.rank.capacity(t) for t in TIER_ORDER])[:, None]
+        caps = [topo.rank.capacity(t) for t in TIER_ORDER]
+        held = [_holder_buffers(inputs, t) for t in inputs.tables]
+        buffers = sum(self.reserved.values()) + sum(held) / w
+        budget = caps[self.fast] - FAST_BUFFER_MARGIN * buffers - max(held)
+        self.full = np.array([*caps, max(budget, 0.0)])[:, None]
         self.cap = self.full.copy()
         self.spb = link_seconds_per_byte(topo)
         compute, allreduce = dense_seconds(inputs)
@@ -225,14 +233,17 @@ class _Ranks:
             self.lookup[r] += sign * cost.lookup_s
             self.cin[r] += sign * cost.bytes_in
             self.cout[r] += sign * cost.bytes_out
-            self.mem[:, r] += sign * np.asarray(cost.memory)
+            self.mem[:3, r] += sign * np.asarray(cost.memory)
+            self.mem[3, r] += sign * cost.fast_rows
 
     def add_uniform(self, u: Uniform, group: str, table: str) -> None:
         self.u_in += u.bytes_in
         self.u_out += u.bytes_out
         self.u_buf += u.buffers
         self.u_sec += u.seconds
-        self.mem[self.fast] += u.buffers - self.reserved.pop(table)
+        extra = u.buffers - self.reserved.pop(table)
+        self.mem[self.fast] += extra
+        self.mem[3] += max(extra, 0.0)
         self.groups.add(group)
 
 
@@ -254,9 +265,10 @@ def _evaluate(
     cost = shard_cost(inputs, table, option, rows, pieces[0][1])
     u = uniform_cost(inputs, table, option)
     group = GROUP_OF[option.sharding]
-    need = np.asarray(cost.memory)[:, None]
-    ubuf = np.zeros((3, 1))
+    need = np.asarray([*cost.memory, cost.fast_rows])[:, None]
+    ubuf = np.zeros((4, 1))
     ubuf[st.fast] = u.buffers - st.reserved[table.name]  # beyond its reservation
+    ubuf[3] = max(float(ubuf[st.fast, 0]), 0.0)
     free = st.cap - st.mem - ubuf  # (3, W) after the uniform part
     if (free < 0).any():
         tier = TIER_ORDER[st.fast]
@@ -309,7 +321,7 @@ def _short(
 ) -> tuple[Tier, float, float]:
     """The tier that blocks ``option`` and its shortfall on the k-th best rank."""
     worst: tuple[Tier, float, float] | None = None
-    for i, tier in enumerate(TIER_ORDER):
+    for i, tier in enumerate((*TIER_ORDER, TIER_ORDER[fast])):
         if need[i, 0] <= 0:
             continue
         room = np.sort(free[i])[::-1]
@@ -345,7 +357,7 @@ def _reason(
         why += f"; {option.precision.value} rows instead of {table.precision.value}"
     if option.tier is not fast or option.cache_tier is not None:
         why += f"; rows in {option.placement()}"
-    return why + f" (slowest rank after it: {best.score[0] * 1e3:.3g} ms)"
+    return why + f" (step bound after it: {best.score[0] * 1e3:.3g} ms)"
 
 
 def search(inputs: PlannerInputs) -> tuple[ShardingPlan, tuple[TableChoice, ...]]:
@@ -362,15 +374,52 @@ def search(inputs: PlannerInputs) -> tuple[ShardingPlan, tuple[TableChoice, ...]
         PlannerError: when some tables fit nowhere.
     """
     error: PlannerError | None = None
+    narrowed = fit_precisions(inputs)
     for margin in LOOKAHEAD_MARGINS:
         try:
-            return _search(inputs, margin)
+            return _search(narrowed, margin)
         except PlannerError as e:
             error = e
             if all(len(t.precisions) == 1 for t in inputs.tables):
                 break  # no precision to lower: another pass would place the same
     assert error is not None
     raise error
+
+
+def fit_precisions(inputs: PlannerInputs) -> PlannerInputs:
+    """Lower the precision of the largest tables until all fit the tiers above SSD.
+
+    When the tables' weights and state at their preferred precisions exceed
+    ``FAST_FILL`` of the device and host memory of all ranks, the largest tables are
+    lowered one allowed precision at a time (largest first, then again) until they fit
+    or none can go lower; each table then keeps only the precisions from its new one
+    down. Keeping rows off the SSD is worth more than their precision (its bandwidth is
+    tens of times lower); a table is never lowered when the model fits as configured.
+    """
+    topo = inputs.topology
+    above_ssd = [t for t in topo.tiers if t is not Tier.SSD]
+    if not above_ssd or Tier.SSD not in topo.tiers:
+        return inputs
+    room = FAST_FILL * topo.world_size * sum(topo.rank.capacity(t) for t in above_ssd)
+
+    def size(t: TableSpec, level: int) -> float:
+        return float(t.rows * (t.row_bytes(t.precisions[level]) + t.state_bytes()))
+
+    level = {t.name: 0 for t in inputs.tables}
+    total = sum(size(t, 0) for t in inputs.tables)
+    order = sorted(inputs.tables, key=lambda t: (-size(t, 0), t.name))
+    changed = True
+    while total > room and changed:
+        changed = False
+        for t in order:
+            if level[t.name] + 1 < len(t.precisions):
+                total -= size(t, level[t.name]) - size(t, level[t.name] + 1)
+                level[t.name] += 1
+                changed = True
+                if total <= room:
+                    break
+    tables = tuple(replace(t, precisions=t.precisions[level[t.name] :]) for t in inputs.tables)
+    return replace(inputs, tables=tables)
 
 
 def _search(inputs: PlannerInputs, margin: float) -> tuple[ShardingPlan, tuple[TableChoice, ...]]:
@@ -398,7 +447,7 @@ def _search(inputs: PlannerInputs, margin: float) -> tuple[ShardingPlan, tuple[T
             st.keep_free(keep)
             found = _best_options(st, inputs, table, opts, later, still, margin)
             best_by_precision, options_of, closest, fitting, tw_fast = found
-            pick = _pick_precision(best_by_precision)
+            pick = _pick_precision(best_by_precision, options_of)
             if pick is not None:
                 break
         if pick is None:
@@ -461,7 +510,7 @@ def _best_options(
         the evaluation of TW in the fast tier.
     """
     topo = inputs.topology
-    room = float((st.cap - st.mem).sum())
+    room = float((st.cap[:3] - st.mem[:3]).sum())
     best_by_precision: list[_Eval | None] = []
     options_of: list[Option | None] = []
     closest: tuple[Tier, float, float] | None = None
@@ -524,19 +573,25 @@ def _least_work(inputs: PlannerInputs, table: TableSpec) -> float:
     return best
 
 
-def _pick_precision(bests: Sequence[_Eval | None]) -> int | None:
-    """The preferred precision's best unless a lower one scores ``PRECISION_GAIN`` better."""
-    fitting = [i for i, b in enumerate(bests) if b is not None]
-    if not fitting:
+def _pick_precision(bests: Sequence[_Eval | None], options: Sequence[Option | None]) -> int | None:
+    """The most preferred precision whose best candidate sits in the fastest place.
+
+    A lower precision is taken only where it buys a faster tier (device before a
+    cached host before host before a cached SSD before SSD), never for speed alone.
+    """
+    places = [
+        _speed_rank(o) if b is not None and o is not None else math.inf
+        for b, o in zip(bests, options)
+    ]
+    fastest = min(places, default=math.inf)
+    if fastest == math.inf:
         return None
-    pick = fitting[0]
-    for i in fitting[1:]:
-        cand, cur = bests[i], bests[pick]
-        assert cand is not None
-        assert cur is not None
-        if cand.score[0] < PRECISION_GAIN * cur.score[0]:
-            pick = i
-    return pick
+    return places.index(fastest)
+
+
+def _speed_rank(option: Option) -> int:
+    """0 for rows in the fastest tier; each slower tier +2; a cache -1."""
+    return 2 * TIER_ORDER.index(option.tier) - (option.cache_tier is not None)
 
 
 def _improve(
@@ -554,7 +609,7 @@ def _improve(
                 continue
             st.add((worst,), ev.cost, -1.0)
             free = st.cap - st.mem
-            need = np.asarray(ev.cost.memory)[:, None]
+            need = np.asarray([*ev.cost.memory, ev.cost.fast_rows])[:, None]
             fits = (free >= need).all(axis=0)
             base = st.times()
             for r in (int(x) for x in np.flatnonzero(fits)):

@@ -15,6 +15,7 @@ from tetrarec.planner import (
     TableSpec,
     Tier,
     Topology,
+    fit_precisions,
     plan,
 )
 from tetrarec.types import Precision, ShardingType
@@ -157,3 +158,23 @@ def test_report_sums_match_the_plan() -> None:
     mean = sum(r.step_s for r in report.ranks) / len(report.ranks)
     assert report.imbalance == pytest.approx(report.step_s / mean)
     assert report.total_params == sum(t.rows * t.dim for t in inputs.tables)
+
+
+def test_precisions_are_lowered_largest_first_only_to_keep_rows_off_the_ssd() -> None:
+    """Catches lowering when everything fits above the SSD, or lowering small tables
+    while the large ones stay at full precision."""
+    allowed = (Precision.FP32, Precision.FP16, Precision.INT8)
+    tables = tuple(replace(t, precisions=allowed) for t in _tables())
+    roomy = _inputs(tables=tables, topology=_topology(ssd=1e9, ssd_bandwidth=1e8))
+    assert fit_precisions(roomy) == roomy
+    # 27.6 MB at FP32; 4 x 5 MB above the SSD, of which 80% may be filled
+    tight = _inputs(
+        tables=tables,
+        topology=_topology(device_memory=1e6, host_memory=4e6, ssd=1e9, ssd_bandwidth=1e8),
+    )
+    narrowed = {t.name: t.precisions[0] for t in fit_precisions(tight).tables}
+    assert narrowed["T5"] is not Precision.FP32  # the largest
+    assert narrowed["T0"] is Precision.FP32  # the smallest
+    _, report = plan(tight)
+    for r in report.ranks:
+        assert all(r.memory[t] <= r.capacity[t] for t in r.memory)
