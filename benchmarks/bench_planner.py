@@ -171,7 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print_table(
         results,
-        ["case", "impl", "tables", "world_size", "total_params", "plan_seconds", "fits", "step_ms"],
+        [
+            "case",
+            "impl",
+            "tables",
+            "world_size",
+            "total_params",
+            "plan_seconds",
+            "fits",
+            "step_ms",
+            "tetrarec_speedup",
+        ],
     )
     write_json(
         args.json,

@@ -249,7 +249,13 @@ def _plan(args: argparse.Namespace) -> int:
     from tetrarec.planner.report import plot_report
 
     config = RunConfig.from_toml(args.config, args.overrides)
-    topology = Topology.resolve(args.topology).resized(args.world_size)
+    topology = Topology.resolve(args.topology)
+    # Ranks per node: the config's, else one node of processes on a machine without a
+    # device (what torchrun --nproc-per-node N runs), else the topology's nodes.
+    local = config.sharding.local_world_size or (
+        args.world_size if topology.rank.device_memory == 0 and topology.nodes == 1 else None
+    )
+    topology = topology.resized(args.world_size, local)
     sharding_plan, report = plan(inputs_from_config(config, topology, args.stats))
     print(report.describe())
     if args.json:

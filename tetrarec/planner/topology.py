@@ -156,15 +156,24 @@ class Topology:
         """The node of ``rank``."""
         return rank // self.ranks_per_node
 
-    def resized(self, world_size: int) -> Topology:
+    def resized(self, world_size: int, ranks_per_node: int | None = None) -> Topology:
         """The same machines with ``world_size`` ranks.
 
-        Whole nodes when ``world_size`` is a multiple of ``ranks_per_node``; fewer ranks
-        than one node holds use one node of ``world_size`` ranks.
+        With ``ranks_per_node``, nodes of that many ranks (each rank keeps its
+        resources: on a CPU machine a rank is a process). Otherwise whole nodes when
+        ``world_size`` is a multiple of ``ranks_per_node``; fewer ranks than one node
+        holds use one node of ``world_size`` ranks.
 
         Raises:
-            ValueError: when ``world_size`` is neither.
+            ValueError: when ``world_size`` is neither (or not a multiple of the given
+                ``ranks_per_node``).
         """
+        if ranks_per_node is not None:
+            if ranks_per_node < 1 or world_size % ranks_per_node:
+                raise ValueError(
+                    f"world size {world_size} is not a multiple of {ranks_per_node} ranks per node"
+                )
+            return replace(self, nodes=world_size // ranks_per_node, ranks_per_node=ranks_per_node)
         if world_size == self.world_size:
             return self
         if world_size >= 1 and world_size % self.ranks_per_node == 0:

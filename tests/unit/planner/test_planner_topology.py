@@ -65,3 +65,5 @@ def test_resized_keeps_whole_nodes_or_one_partial_node() -> None:
     assert (z.resized(4).nodes, z.resized(4).ranks_per_node) == (1, 4)
     with pytest.raises(ValueError, match="world size 12"):
         z.resized(12)
+    cpu = Topology.preset("this-machine").resized(4, 4)
+    assert (cpu.nodes, cpu.ranks_per_node) == (1, 4)
