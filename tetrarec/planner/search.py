@@ -611,16 +611,23 @@ def _improve(
             free = st.cap - st.mem
             need = np.asarray([*ev.cost.memory, ev.cost.fast_rows])[:, None]
             fits = (free >= need).all(axis=0)
-            base = st.times()
+            base = st.times()  # without the table
+            c = ev.cost
+            moved = (
+                st.lookup
+                + c.lookup_s
+                + np.maximum(st.cin + st.u_in + c.bytes_in, st.cout + st.u_out + c.bytes_out)
+                * st.spb
+                + st.fixed(st.groups)
+            )
+            top = np.sort(base)[::-1]
             for r in (int(x) for x in np.flatnonzero(fits)):
                 if r == worst:
                     continue
-                st.add((r,), ev.cost)
-                new = float(st.times().max())
-                st.add((r,), ev.cost, -1.0)
+                others = float(top[1] if base[r] == top[0] else top[0])
+                new = max(others, float(moved[r]))
                 if new < current - 1e-12 and (best_move is None or new < best_move[0]):
                     best_move = (new, name, r)
-            del base
             st.add((worst,), ev.cost)
         if best_move is None:
             return
