@@ -15,6 +15,7 @@ from tetrarec.planner import (
     TableSpec,
     Tier,
     Topology,
+    candidates,
     fit_precisions,
     plan,
 )
@@ -178,3 +179,24 @@ def test_precisions_are_lowered_largest_first_only_to_keep_rows_off_the_ssd() ->
     _, report = plan(tight)
     for r in report.ranks:
         assert all(r.memory[t] <= r.capacity[t] for t in r.memory)
+
+
+def test_candidates_follow_the_world_and_the_tiers() -> None:
+    """Catches node-local types offered on one node, DP offered for big tables, CW
+    blocks that do not divide the dim, or tiers the topology does not have."""
+    small = TableSpec(name="s", rows=100, dim=64, features=("s",))
+    big = TableSpec(name="b", rows=10_000_000, dim=48, features=("b",))
+    one_node = _inputs(topology=_topology(nodes=1, local=4))
+    two_nodes = _inputs(topology=_topology(nodes=2, local=4))
+    kinds = {o.sharding for o in candidates(one_node, small)}
+    assert ShardingType.TABLE_ROW_WISE not in kinds
+    assert ShardingType.DATA_PARALLEL in kinds
+    kinds2 = {o.sharding for o in candidates(two_nodes, small)}
+    assert {ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE} <= kinds2
+    big_opts = candidates(two_nodes, big)
+    assert ShardingType.DATA_PARALLEL not in {o.sharding for o in big_opts}
+    assert all(48 % o.blocks == 0 for o in big_opts if o.sharding is ShardingType.COLUMN_WISE)
+    assert {o.tier for o in big_opts} == {Tier.DEVICE, Tier.HOST}  # no SSD in this topology
+    cached = [o for o in big_opts if o.cache_tier is not None]
+    assert cached
+    assert all((o.tier, o.cache_tier) == (Tier.HOST, Tier.DEVICE) for o in cached)
