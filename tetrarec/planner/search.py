@@ -107,9 +107,11 @@ class PlannerError(ValueError):
     def __init__(self, shortfalls: Sequence[Shortfall], hint: str) -> None:
         self.shortfalls = tuple(shortfalls)
         self.hint = hint
-        shown = "; ".join(s.describe() for s in self.shortfalls[:10])
-        more = f" (and {len(self.shortfalls) - 10} more)" if len(self.shortfalls) > 10 else ""
-        super().__init__(f"no plan fits: {shown}{more}. To fit: {hint}")
+        shown = "; ".join(s.describe() for s in self.shortfalls[:3])
+        more = f" (and {len(self.shortfalls) - 3} more)" if len(self.shortfalls) > 3 else ""
+        super().__init__(
+            f"no plan fits {len(self.shortfalls)} table(s): {shown}{more}. To fit: {hint}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
