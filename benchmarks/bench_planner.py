@@ -12,8 +12,9 @@ Two seeded models, planned by ``tetrarec.planner`` (nothing is trained or alloca
   only (no tiers, one precision). Target: under 10 s.
 
 With ``--torchrec`` (and torchrec importable) TorchRec's ``EmbeddingShardingPlanner`` is
-timed on the second model's tables and topology in the same run, and the ratio printed
-(it may take minutes; skipped cleanly otherwise).
+timed on the second model's tables and topology in the same run, in a child process
+stopped after ``--torchrec-limit-s`` (then reported as a lower bound), and the ratio
+printed; skipped cleanly when torchrec is not installed.
 
     python benchmarks/bench_planner.py --json out.json
     python benchmarks/bench_planner.py --smoke            # tiny, for the smoke test
@@ -139,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=65536, help="global batch")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--torchrec", action="store_true", help="also time TorchRec's planner")
+    p.add_argument(
+        "--torchrec-limit-s", type=float, default=600.0, help="stop TorchRec's planner after"
+    )
     args = p.parse_args(argv)
     n = 40 if args.smoke else args.tables
     params = args.params / 100 if args.smoke else args.params
@@ -167,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         run_case(f"{n}-tables-{flat_topology.world_size}", flat, 10.0),
     ]
     if args.torchrec:
-        results.append(torchrec_case(flat, results[-1]))
+        results.append(torchrec_case(flat, results[-1], args.torchrec_limit_s))
     print()
     print_table(
         results,
@@ -197,18 +201,45 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def torchrec_case(inputs: PlannerInputs, ours: dict[str, Any]) -> dict[str, Any]:
-    """TorchRec's ``EmbeddingShardingPlanner`` on the same tables and world, timed."""
+def torchrec_case(inputs: PlannerInputs, ours: dict[str, Any], limit_s: float) -> dict[str, Any]:
+    """TorchRec's ``EmbeddingShardingPlanner`` on the same tables and world, timed in a
+    child process that is stopped after ``limit_s`` (reported as a lower bound)."""
+    import multiprocessing as mp
+
     try:
-        import torch
-        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-        from torchrec.distributed.planner import EmbeddingShardingPlanner
-        from torchrec.distributed.planner.types import Topology as TRTopology
-        from torchrec.modules.embedding_configs import EmbeddingBagConfig
-        from torchrec.modules.embedding_modules import EmbeddingBagCollection
+        import torchrec  # noqa: F401
     except ImportError as e:
         print(f"torchrec: skipped ({e})")
         return {"impl": "torchrec", "case": ours["case"], "skipped": str(e)}
+    queue: Any = mp.get_context("fork").Queue()
+    child = mp.get_context("fork").Process(target=_torchrec_plan, args=(inputs, queue))
+    child.start()
+    child.join(limit_s)
+    row: dict[str, Any] = {"impl": "torchrec", "case": ours["case"]}
+    if child.is_alive():
+        child.terminate()
+        child.join()
+        row.update(
+            timed_out_after_s=limit_s, tetrarec_speedup_at_least=limit_s / ours["plan_seconds"]
+        )
+        print(f"torchrec: no plan after {limit_s:.0f} s (stopped)")
+        return row
+    result = queue.get() if not queue.empty() else {"error": f"exit code {child.exitcode}"}
+    row.update(result)
+    if "plan_seconds" in result:
+        row["tetrarec_speedup"] = result["plan_seconds"] / ours["plan_seconds"]
+    return row
+
+
+def _torchrec_plan(inputs: PlannerInputs, queue: Any) -> None:
+    """In the child: plan with TorchRec, put ``{"plan_seconds"}`` or ``{"error"}``."""
+    import torch
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.planner.types import Topology as TRTopology
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
     topo = inputs.topology
     ebc = EmbeddingBagCollection(
         tables=[
@@ -236,14 +267,9 @@ def torchrec_case(inputs: PlannerInputs, ours: dict[str, Any]) -> dict[str, Any]
     try:
         planner.plan(ebc, [EmbeddingBagCollectionSharder()])  # type: ignore[list-item]
     except Exception as e:
-        return {"impl": "torchrec", "case": ours["case"], "error": str(e)[:300]}
-    seconds = time.perf_counter() - start
-    return {
-        "impl": "torchrec",
-        "case": ours["case"],
-        "plan_seconds": seconds,
-        "tetrarec_speedup": seconds / ours["plan_seconds"],
-    }
+        queue.put({"error": str(e)[:300]})
+        return
+    queue.put({"plan_seconds": time.perf_counter() - start})
 
 
 if __name__ == "__main__":
