@@ -185,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             "fits",
             "step_ms",
             "tetrarec_speedup",
+            "timed_out_after_s",
+            "tetrarec_speedup_at_least",
         ],
     )
     write_json(
