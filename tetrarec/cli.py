@@ -12,6 +12,8 @@
                                     [--input FILE ...] [--on-bad-line skip] [--set k=v ...]
     tetrarec stats --config run.toml [--rows N] [--json PATH] [--set k=v ...]
                                                     per-feature pooling and access skew
+    tetrarec plan --config run.toml --world-size N [--topology FILE|PRESET]
+                  [--stats stats.json] [--json plan.json] [--plot PATH]
     tetrarec bench NAME [args ...]                  runs benchmarks/bench_NAME.py
 
 tetrarec's own errors print one line on stderr (``tetrarec COMMAND: error: ...``), never
@@ -144,6 +146,7 @@ def _parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", metavar="PATH", help="write the statistics as JSON")
     _add_set(stats)
 
+    _add_plan(sub)
     bench = sub.add_parser("bench", help="run benchmarks/bench_NAME.py from the source tree")
     bench.add_argument("name")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script")
@@ -256,6 +259,52 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- tetrarec plan (the sharding planner) -------------------------------------------------
+
+
+def _add_plan(sub: Any) -> None:
+    plan = sub.add_parser("plan", help="plan the sharding of a run's tables and explain it")
+    plan.add_argument("--config", required=True, type=Path, help="the run's TOML file")
+    plan.add_argument("--world-size", required=True, type=int, help="ranks to plan for")
+    plan.add_argument(
+        "--topology",
+        default="this-machine",
+        help="a topology TOML file or a preset (this-machine, gpu-node-8, zionex-16x8)",
+    )
+    plan.add_argument("--stats", type=Path, help="feature statistics (tetrarec stats --json)")
+    plan.add_argument(
+        "--json", metavar="PATH", help="write the plan (sharding.plan) and PATH.report.json"
+    )
+    plan.add_argument("--plot", metavar="PATH", help="per-rank memory and time bars (PNG)")
+    _add_set(plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from tetrarec.config import RunConfig
+    from tetrarec.planner import Topology, inputs_from_config, plan
+    from tetrarec.planner.report import plot_report
+
+    config = RunConfig.from_toml(args.config, args.overrides)
+    topology = Topology.resolve(args.topology)
+    # Ranks per node: the config's, else one node of processes on a machine without a
+    # device (what torchrun --nproc-per-node N runs), else the topology's nodes.
+    local = config.sharding.local_world_size or (
+        args.world_size if topology.rank.device_memory == 0 and topology.nodes == 1 else None
+    )
+    topology = topology.resized(args.world_size, local)
+    sharding_plan, report = plan(inputs_from_config(config, topology, args.stats))
+    print(report.describe())
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        sharding_plan.save(args.json)
+        report.save(f"{args.json}.report.json")
+        print(f"wrote {args.json} (set sharding.plan to it) and {args.json}.report.json")
+    if args.plot:
+        plot_report(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     script = _REPO_ROOT / "benchmarks" / f"bench_{args.name}.py"
     if not script.is_file():
@@ -276,6 +325,7 @@ _COMMANDS = {
     "eval": _eval,
     "preprocess": _preprocess,
     "stats": _stats,
+    "plan": _plan,
     "bench": _bench,
 }
 

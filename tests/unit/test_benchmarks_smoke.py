@@ -23,6 +23,8 @@ SCRIPTS = sorted(p.name for p in BENCH.glob("bench_*.py"))
 # Runs on the real samples in ../shared/data; its smoke run (through the CLI) lives in
 # tests/integration/test_integration_train.py, which skips when the data is absent.
 NEEDS_SHARED_DATA = {"bench_quality.py"}
+# Plan on paper: no kernel runs, and the report says so ("none").
+NO_KERNELS = {"bench_planner.py"}
 
 
 def _run(script: str, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Any:
@@ -71,6 +73,8 @@ def test_benchmark_smoke(script: str, tmp_path: Path) -> None:
     assert isinstance(cpu["flags"], list)
     assert cpu["model"] in stdout  # the printed report names the CPU too
     expected = "compiled" if compiled_cpu_kernels() is not None else "portable"
+    if script in NO_KERNELS:
+        expected = "none"
     paths = ("compiled", "portable", "none")  # tetrarec's; FBGEMM's rows say "fbgemm"
     ran = [r["kernels"] for r in payload["results"] if r.get("kernels") in paths]
     assert ran, "no row says which tetrarec kernel path ran"

@@ -1,0 +1,115 @@
+"""The cost model's formulas on a case computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from tetrarec.models.config import DLRMConfig
+from tetrarec.planner import (
+    AccessStats,
+    PlannerInputs,
+    RankResources,
+    TableSpec,
+    Tier,
+    Topology,
+    dense_cost,
+    load_stats,
+    state_bytes_per_row,
+)
+from tetrarec.planner.cost import (
+    Option,
+    link_seconds_per_byte,
+    shard_cost,
+    uniform_cost,
+)
+from tetrarec.types import OptimizerKind, Precision, ShardingType
+
+TOPO = Topology(
+    name="tiny",
+    nodes=1,
+    ranks_per_node=2,
+    collective_latency_s=1e-5,
+    intra_node_bandwidth=1e9,
+    inter_node_bandwidth=1e9,
+    rank=RankResources(
+        host_memory=1e6, host_bandwidth=1e9, ssd=1e7, ssd_bandwidth=1e8, matmul_flops=1e9
+    ),
+)
+TABLE = TableSpec(
+    name="t",
+    rows=1000,
+    dim=4,
+    features=("f",),
+    stats=(AccessStats(mean_pooling=2.0, hot_1pct=0.3, hot_5pct=0.5),),
+)
+INPUTS = PlannerInputs(tables=(TABLE,), batch_size=8, topology=TOPO)
+
+
+def _opt(sharding: ShardingType = ShardingType.TABLE_WISE, **kw: object) -> Option:
+    return Option(sharding=sharding, blocks=1, tier=Tier.HOST, precision=Precision.FP32, **kw)  # type: ignore[arg-type]
+
+
+def test_state_bytes_follow_the_kernels_layout() -> None:
+    """Catches an optimizer-state size that forgets a moment or the step count."""
+    assert state_bytes_per_row(OptimizerKind.ROWWISE_ADAGRAD, 64) == 4
+    assert state_bytes_per_row(OptimizerKind.ADAGRAD, 64) == 256
+    assert state_bytes_per_row(OptimizerKind.ADAM, 64) == (2 * 64 + 1) * 4
+    assert state_bytes_per_row(OptimizerKind.SGD, 64) == 0
+
+
+def test_table_wise_shard_by_hand() -> None:
+    """Catches a wrong term in the lookup, traffic or storage formulas."""
+    c = shard_cost(INPUTS, TABLE, _opt(), 1000, 4)
+    # ids = B P = 16; a row 16 B, its state 4 B: 16 (3*16 + 2*4) / 1e9
+    assert c.lookup_s == pytest.approx(16 * 56 / 1e9)
+    assert c.bytes_out == 8 * 4 * 4  # B c E
+    assert c.bytes_in == 16 * 8 + 128  # ids + output gradients
+    assert (c.weights, c.state, c.buffers) == (16000, 4000, 16 * 8 + 2 * 128)
+    assert c.memory == (0.0, 16000 + 4000 + 384, 0.0)
+    u = uniform_cost(INPUTS, TABLE, _opt())
+    # local batch 4: ids 4*2*8 = 64 out; 4*4*4 = 64 pooled in, its gradients out
+    assert (u.bytes_in, u.bytes_out, u.buffers) == (64, 128, 64 + 128)
+    assert link_seconds_per_byte(TOPO) == pytest.approx(0.5 / 1e9)
+
+
+def test_row_wise_and_cached_shards_by_hand() -> None:
+    """Catches RW shards charged for every id, or a cache whose hit rate is ignored."""
+    rw = shard_cost(INPUTS, TABLE, _opt(ShardingType.ROW_WISE), 500, 4)
+    assert rw.lookup_s == pytest.approx(8 * 56 / 1e9)  # half the ids
+    assert rw.bytes_out == 8 * 4 * 4  # partial sums of all samples
+    cached = Option(
+        sharding=ShardingType.TABLE_WISE,
+        blocks=1,
+        tier=Tier.SSD,
+        cache_tier=Tier.HOST,
+        cache_fraction=0.05,
+        precision=Precision.FP32,
+    )
+    c = shard_cost(INPUTS, TABLE, cached, 1000, 4)
+    assert c.lookup_s == pytest.approx(16 * 56 * (0.5 / 1e9 + 0.5 / 1e8))
+    assert c.cache == 50 * 16
+    assert c.memory == (0.0, 50 * 16 + 384, 20000)
+
+
+def test_dense_cost_by_hand() -> None:
+    """Catches a dense FLOP formula that drops a layer or the backward factor."""
+    dlrm = DLRMConfig(num_dense=2, bottom_mlp=(3, 4), top_mlp=(5, 1))
+    flops, params = dense_cost(dlrm, 1)
+    # bottom 2*2*3 + 2*3*4 = 36; dot 2 * 2^2 * 4 = 32; top in 4 + 1: 2*5*5 + 2*5*1 = 60
+    assert flops == 3 * (36 + 32 + 60)
+    assert params == (2 * 3 + 3 + 3 * 4 + 4) + (5 * 5 + 5 + 5 * 1 + 1)
+
+
+def test_stats_loader_reads_the_shared_format_and_names_bad_features() -> None:
+    """Catches a loader that ignores the statistics or accepts impossible shares."""
+    stats = load_stats(
+        {
+            "rows_sampled": 10,
+            "features": {
+                "C1": {"table": "C1", "mean_pooling": 3.0, "hot_1pct": 0.4, "hot_5pct": 0.6}
+            },
+        }
+    )
+    assert stats["C1"] == AccessStats(mean_pooling=3.0, hot_1pct=0.4, hot_5pct=0.6)
+    with pytest.raises(ValueError, match="C2"):
+        load_stats({"features": {"C2": {"hot_1pct": 0.9, "hot_5pct": 0.1}}})

@@ -1,0 +1,202 @@
+"""The search: plans that validate, respect memory, repeat exactly, and explain failure."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from tetrarec.planner import (
+    AccessStats,
+    PlannerError,
+    PlannerInputs,
+    RankResources,
+    TableSpec,
+    Tier,
+    Topology,
+    candidates,
+    fit_precisions,
+    plan,
+)
+from tetrarec.types import Precision, ShardingType
+
+
+def _topology(nodes: int = 1, local: int = 4, **rank: float) -> Topology:
+    resources = {
+        "device_memory": 2e6,
+        "host_memory": 8e6,
+        "ssd": 0.0,
+        "device_bandwidth": 1e12,
+        "host_bandwidth": 1e10,
+        "ssd_bandwidth": 0.0,
+        "matmul_flops": 1e12,
+    }
+    resources.update(rank)
+    return Topology(
+        name="test",
+        nodes=nodes,
+        ranks_per_node=local,
+        collective_latency_s=1e-5,
+        intra_node_bandwidth=1e11,
+        inter_node_bandwidth=1e10,
+        rank=RankResources(**resources),
+    )
+
+
+def _tables(n: int = 12) -> tuple[TableSpec, ...]:
+    sizes = [100, 3000, 20_000, 500, 8000, 60_000, 1000, 12_000, 250, 40_000, 5000, 700]
+    return tuple(
+        TableSpec(
+            name=f"T{i}",
+            rows=sizes[i % len(sizes)] * (1 + i // len(sizes)),
+            dim=(16, 32, 64)[i % 3],
+            features=(f"F{i}",),
+            stats=(AccessStats(mean_pooling=1.0 + i % 5, hot_1pct=0.2, hot_5pct=0.4),),
+        )
+        for i in range(n)
+    )
+
+
+def _inputs(**kw: object) -> PlannerInputs:
+    values: dict[str, object] = {"tables": _tables(), "batch_size": 256, "topology": _topology()}
+    values.update(kw)
+    return PlannerInputs(**values)  # type: ignore[arg-type]
+
+
+def test_every_table_is_placed_once_and_the_plan_validates() -> None:
+    """Catches a table dropped, placed twice, or shards that break their type's rules."""
+    inputs = _inputs(topology=_topology(nodes=2, local=4))
+    sharding_plan, report = plan(inputs)
+    assert [t.table for t in sharding_plan.tables] == [t.name for t in inputs.tables]
+    sharding_plan.validate(inputs.table_configs())
+    assert [t.table for t in report.tables] == [t.name for t in inputs.tables]
+    assert all(t.reason for t in report.tables)
+
+
+def test_memory_limits_hold_on_every_rank_and_tier() -> None:
+    """Catches a search that overfills a tier (tight device memory forces host rows)."""
+    inputs = _inputs(topology=_topology(device_memory=1.5e6, host_memory=9e6))
+    _, report = plan(inputs)
+    tiers = {t.tier for t in report.tables}
+    assert any("host" in t for t in tiers), tiers  # the device alone cannot hold them
+    for r in report.ranks:
+        for tier, used in r.memory.items():
+            assert used <= r.capacity[tier], (r.rank, tier, used)
+
+
+def test_the_same_inputs_give_the_same_plan() -> None:
+    """Catches set or dict order, or hash randomness, deciding a placement."""
+    a_plan, a_report = plan(_inputs(topology=_topology(nodes=2, local=2)))
+    b_plan, b_report = plan(_inputs(topology=_topology(nodes=2, local=2)))
+    assert a_plan.to_json() == b_plan.to_json()
+    assert json.dumps(replace(a_report, plan_seconds=0).to_dict()) == json.dumps(
+        replace(b_report, plan_seconds=0).to_dict()
+    )
+
+
+def test_an_infeasible_model_names_table_tier_and_shortfall() -> None:
+    """Catches a failure that hides which table did not fit, where, and by how much."""
+    huge = TableSpec(name="huge", rows=10_000_000, dim=64, features=("h",))
+    with pytest.raises(PlannerError) as info:
+        plan(_inputs(tables=(*_tables(4), huge)))
+    err = info.value
+    assert [s.table for s in err.shortfalls] == ["huge"]
+    assert err.shortfalls[0].shortfall > 0
+    assert err.shortfalls[0].tier in (Tier.DEVICE, Tier.HOST)
+    message = str(err)
+    assert "'huge'" in message
+    assert "bytes short" in message
+    assert "more ranks" in message
+    assert "lower row precision" in message
+    assert "SSD" in message
+
+
+def test_a_table_too_big_for_one_rank_is_split_and_says_why() -> None:
+    """Catches a reason that does not explain a split, or a split that was not needed."""
+    big = TableSpec(name="big", rows=40_000, dim=64, features=("b",))  # 10 MB + state
+    inputs = _inputs(
+        tables=(big, *_tables(3)), topology=_topology(device_memory=4e6, host_memory=4e6)
+    )
+    sharding_plan, report = plan(inputs)
+    chosen = sharding_plan.table("big")
+    assert chosen.sharding in (ShardingType.ROW_WISE, ShardingType.COLUMN_WISE)
+    reason = report.tables[0].reason
+    assert "does not fit one rank's free device memory" in reason, reason
+
+
+def test_lower_precision_only_where_it_is_needed() -> None:
+    """Catches a planner that lowers every table's precision, or none when it must."""
+    allowed = (Precision.FP32, Precision.FP16, Precision.INT8)
+    tables = tuple(replace(t, precisions=allowed) for t in _tables())
+    _, roomy = plan(_inputs(tables=tables, topology=_topology(device_memory=1e9, host_memory=0)))
+    assert {t.precision for t in roomy.tables} == {"fp32"}
+    tight = _topology(device_memory=5e6, host_memory=0)  # fp32 needs 27.6 MB
+    _, report = plan(_inputs(tables=tables, topology=tight))
+    assert {t.precision for t in report.tables} - {"fp32"}, "nothing was lowered"
+    for r in report.ranks:
+        assert r.memory["device"] <= r.capacity["device"]
+
+
+def test_report_sums_match_the_plan() -> None:
+    """Catches a report whose per-rank bytes are not those of the plan's shards."""
+    inputs = _inputs(topology=_topology(nodes=2, local=2))
+    sharding_plan, report = plan(inputs)
+    by_name = {t.name: t for t in inputs.tables}
+    chosen = {t.table: Precision.parse(t.precision) for t in report.tables}
+    weights = [0] * inputs.topology.world_size
+    state = [0] * inputs.topology.world_size
+    for tp in sharding_plan:
+        t = by_name[tp.table]
+        for s in tp.shards:
+            weights[s.rank] += s.num_rows * t.row_bytes(chosen[tp.table], s.dim)
+            state[s.rank] += s.num_rows * t.state_bytes(s.dim)
+    assert [r.weights for r in report.ranks] == weights
+    assert [r.state for r in report.ranks] == state
+    for r in report.ranks:
+        assert sum(r.memory.values()) == pytest.approx(r.weights + r.state + r.cache + r.buffers)
+    assert report.step_s == max(r.step_s for r in report.ranks)
+    mean = sum(r.step_s for r in report.ranks) / len(report.ranks)
+    assert report.imbalance == pytest.approx(report.step_s / mean)
+    assert report.total_params == sum(t.rows * t.dim for t in inputs.tables)
+
+
+def test_precisions_are_lowered_largest_first_only_to_keep_rows_off_the_ssd() -> None:
+    """Catches lowering when everything fits above the SSD, or lowering small tables
+    while the large ones stay at full precision."""
+    allowed = (Precision.FP32, Precision.FP16, Precision.INT8)
+    tables = tuple(replace(t, precisions=allowed) for t in _tables())
+    roomy = _inputs(tables=tables, topology=_topology(ssd=1e9, ssd_bandwidth=1e8))
+    assert fit_precisions(roomy) == roomy
+    # 27.6 MB at FP32; 4 x 5 MB above the SSD, of which 80% may be filled
+    tight = _inputs(
+        tables=tables,
+        topology=_topology(device_memory=1e6, host_memory=4e6, ssd=1e9, ssd_bandwidth=1e8),
+    )
+    narrowed = {t.name: t.precisions[0] for t in fit_precisions(tight).tables}
+    assert narrowed["T5"] is not Precision.FP32  # the largest
+    assert narrowed["T0"] is Precision.FP32  # the smallest
+    _, report = plan(tight)
+    for r in report.ranks:
+        assert all(r.memory[t] <= r.capacity[t] for t in r.memory)
+
+
+def test_candidates_follow_the_world_and_the_tiers() -> None:
+    """Catches node-local types offered on one node, DP offered for big tables, CW
+    blocks that do not divide the dim, or tiers the topology does not have."""
+    small = TableSpec(name="s", rows=100, dim=64, features=("s",))
+    big = TableSpec(name="b", rows=10_000_000, dim=48, features=("b",))
+    one_node = _inputs(topology=_topology(nodes=1, local=4))
+    two_nodes = _inputs(topology=_topology(nodes=2, local=4))
+    kinds = {o.sharding for o in candidates(one_node, small)}
+    assert ShardingType.TABLE_ROW_WISE not in kinds
+    assert ShardingType.DATA_PARALLEL in kinds
+    kinds2 = {o.sharding for o in candidates(two_nodes, small)}
+    assert {ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE} <= kinds2
+    big_opts = candidates(two_nodes, big)
+    assert ShardingType.DATA_PARALLEL not in {o.sharding for o in big_opts}
+    assert all(48 % o.blocks == 0 for o in big_opts if o.sharding is ShardingType.COLUMN_WISE)
+    assert {o.tier for o in big_opts} == {Tier.DEVICE, Tier.HOST}  # no SSD in this topology
+    cached = [o for o in big_opts if o.cache_tier is not None]
+    assert cached
+    assert all((o.tier, o.cache_tier) == (Tier.HOST, Tier.DEVICE) for o in cached)

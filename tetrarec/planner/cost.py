@@ -1,0 +1,296 @@
+"""The cost model: bytes per tier and seconds per step of each rank, as pure functions.
+
+Symbols: ``B`` global batch, ``W`` ranks, ``L`` ranks per node, ``b = B / W`` local
+batch, ``P`` ids per sample of a table (its features' mean pooling, summed), ``d`` its
+dim, ``c`` the columns of a shard, ``n`` the rows of a shard, ``N`` the table's rows,
+``rb(c)`` stored bytes of a row of ``c`` columns at the chosen precision, ``sb(c)`` the
+optimizer-state bytes of that row (FP32 values, step counts included), ``I = 8`` bytes
+per id, ``E = 4`` bytes per pooled value (FP32).
+
+**Ids a shard looks up per step** (``ids``): TW and CW/TWCW blocks ``B P`` (every id of
+the table's features), RW ``B P n / N``, TWRW ``B P n / N`` (its row block of the node's),
+DP ``b P`` (the rank's own samples).
+
+**Storage of a shard** (in its tier ``t``; a cached placement keeps the hottest
+``f`` (1% or 5%) of its rows again in the next faster tier)::
+
+    weights = n rb(c)      state = n sb(c)      cache = ceil(f n) rb(c)
+    buffers = ids I + 2 out          (fast tier: received ids, outputs and their gradients)
+
+plus, on every rank for every sharded (non-DP) table, the requester's buffers
+``b P I + 2 k b c_k E`` (its ids, and the pooled outputs and gradients of its samples from
+the ``k`` shards that answer: ``k = 1`` for TW, the blocks for CW, ``W`` for RW, ``L``
+for TWRW, each of width ``c_k``).
+
+**Lookup time of a shard**: forward reads each looked-up row once, backward reads and
+writes it and its optimizer state (the fused update)::
+
+    lookup_s = ids (3 rb(c) + 2 sb(c)) spb_tier
+    spb_tier = 1 / bw_t                                 (rows in tier t)
+             = h / bw_fast + (1 - h) / bw_t             (cached: hit rate h = hot_f)
+
+**Communication**: each rank's inbound and outbound bytes per step, the time being
+``max(in, out) x spb_link + latency``, with one direction per link (full duplex)::
+
+    spb_link = ((L - 1) / W) / intra_bw + ((W - L) / W) / inter_bw
+    (the 1/W of the traffic a rank sends itself is free; W = 1: spb_link = 0)
+
+A shard's holder receives ``ids I`` (input dist) plus ``out`` (gradients of its outputs,
+backward) and sends ``out`` (its pooled outputs, forward), with ``out = B c E`` (TW, CW,
+TWCW blocks; RW and TWRW send partial sums of all ``B`` samples: ``B d E``). Every rank,
+as a requester, sends ``b P I + k b c_k E`` and receives ``k b c_k E`` per sharded table.
+A DP table all-reduces its FP32 gradient every step: ``2 (W - 1) / W N d E`` each way
+over the ring's slowest link. Latency: 3 collectives per sharding group in use (the
+block group for TW/CW/TWCW, the row group for RW/TWRW: ids, outputs, gradients), 1 for
+the replicated group, 1 for the dense gradient.
+
+**Dense part** (the same on every rank)::
+
+    dense_s = b flops_per_sample / matmul_flops + 2 (W - 1) / W params E spb_ring
+    spb_ring = 1 / inter_bw if nodes > 1 else 1 / intra_bw        (0 when W = 1)
+
+**Step time** of a rank = lookup + communication + dense; the plan's step time is the
+slowest rank's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tetrarec.planner.inputs import PlannerInputs, TableSpec
+from tetrarec.planner.topology import TIER_ORDER, Tier, Topology
+from tetrarec.types import Precision, ShardingType
+
+__all__ = [
+    "ID_BYTES",
+    "OUT_BYTES",
+    "Option",
+    "ShardCost",
+    "Uniform",
+    "dense_seconds",
+    "latency_collectives",
+    "link_seconds_per_byte",
+    "ring_seconds_per_byte",
+    "shard_cost",
+    "uniform_cost",
+]
+
+ID_BYTES = 8  # int64 ids
+OUT_BYTES = 4  # FP32 pooled values and their gradients
+
+#: The group each type runs in (as ``sharding.strategy``): latency is paid per group used.
+GROUP_OF = {
+    ShardingType.TABLE_WISE: "block",
+    ShardingType.COLUMN_WISE: "block",
+    ShardingType.TABLE_COLUMN_WISE: "block",
+    ShardingType.ROW_WISE: "row",
+    ShardingType.TABLE_ROW_WISE: "row",
+    ShardingType.DATA_PARALLEL: "replicated",
+}
+COLLECTIVES_PER_GROUP = {"block": 3, "row": 3, "replicated": 1}
+
+SHORT = {
+    ShardingType.TABLE_WISE: "TW",
+    ShardingType.ROW_WISE: "RW",
+    ShardingType.COLUMN_WISE: "CW",
+    ShardingType.DATA_PARALLEL: "DP",
+    ShardingType.TABLE_ROW_WISE: "TWRW",
+    ShardingType.TABLE_COLUMN_WISE: "TWCW",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Option:
+    """One way to store a table.
+
+    Args:
+        sharding: the sharding type.
+        blocks: shards (TW 1; CW/TWCW column blocks; RW ``W``; TWRW ``L``; DP ``W``).
+        tier: where the rows live.
+        cache_tier: the faster tier holding the hottest rows again (``None``: no cache).
+        cache_fraction: the share of rows cached (0.01 or 0.05; 0 without a cache).
+        precision: the row precision.
+    """
+
+    sharding: ShardingType
+    blocks: int
+    tier: Tier
+    cache_tier: Tier | None = None
+    cache_fraction: float = 0.0
+    precision: Precision
+
+    def placement(self) -> str:
+        """``"host"``, or ``"ssd+host cache 5%"``."""
+        if self.cache_tier is None:
+            return self.tier.value
+        return f"{self.tier.value}+{self.cache_tier.value} cache {self.cache_fraction:.0%}"
+
+    def label(self) -> str:
+        """``"CW/4 host fp16"``."""
+        kind = SHORT[self.sharding]
+        if self.sharding in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE):
+            kind += f"/{self.blocks}"
+        return f"{kind} {self.placement()} {self.precision.value}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardCost:
+    """What one shard adds to the rank holding it.
+
+    Args:
+        lookup_s: lookup forward + backward seconds.
+        bytes_in: inbound bytes per step.
+        bytes_out: outbound bytes per step.
+        memory: bytes per tier (``TIER_ORDER`` order): weights, state, cache, buffers.
+        weights: stored row bytes.
+        state: optimizer-state bytes.
+        cache: cached row bytes (in ``cache_tier``).
+        buffers: communication buffers (in the fast tier).
+        fast_rows: weights, state and cache bytes that sit in the fast tier.
+    """
+
+    lookup_s: float
+    bytes_in: float
+    bytes_out: float
+    memory: tuple[float, float, float]
+    weights: float
+    state: float
+    cache: float
+    buffers: float
+    fast_rows: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Uniform:
+    """What a table's option adds to every rank (requester side, DP all-reduce).
+
+    Args:
+        bytes_in: inbound bytes per step per rank (all-to-all).
+        bytes_out: outbound bytes per step per rank (all-to-all).
+        buffers: fast-tier buffer bytes per rank.
+        seconds: other communication seconds per rank (a DP table's all-reduce).
+    """
+
+    bytes_in: float
+    bytes_out: float
+    buffers: float
+    seconds: float = 0.0
+
+
+def link_seconds_per_byte(topo: Topology) -> float:
+    """Seconds per byte of an all-to-all over the world (module docstring)."""
+    w, local = topo.world_size, topo.ranks_per_node
+    if w == 1:
+        return 0.0
+    spb = 0.0
+    if local > 1:
+        spb += ((local - 1) / w) / topo.intra_node_bandwidth
+    if w > local:
+        spb += ((w - local) / w) / topo.inter_node_bandwidth
+    return spb
+
+
+def ring_seconds_per_byte(topo: Topology) -> float:
+    """Seconds per byte of a ring all-reduce's slowest link (module docstring)."""
+    if topo.world_size == 1:
+        return 0.0
+    return 1.0 / (topo.inter_node_bandwidth if topo.nodes > 1 else topo.intra_node_bandwidth)
+
+
+def tier_seconds_per_byte(topo: Topology, option: Option, table: TableSpec) -> float:
+    """``spb_tier`` of the module docstring (cache hit rate from the table's skew)."""
+    slow = 1.0 / topo.rank.bandwidth(option.tier)
+    if option.cache_tier is None:
+        return slow
+    hit = table.hot(option.cache_fraction)
+    return hit / topo.rank.bandwidth(option.cache_tier) + (1.0 - hit) * slow
+
+
+def shard_ids(inputs: PlannerInputs, table: TableSpec, option: Option, rows: int) -> float:
+    """Ids a shard of ``rows`` rows looks up per step (module docstring)."""
+    ids = inputs.batch_size * table.pooling
+    if option.sharding in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
+        return ids * rows / table.rows
+    if option.sharding is ShardingType.DATA_PARALLEL:
+        return ids / inputs.topology.world_size
+    return ids
+
+
+def shard_cost(
+    inputs: PlannerInputs, table: TableSpec, option: Option, rows: int, cols: int
+) -> ShardCost:
+    """What a shard of ``rows`` x ``cols`` of ``table`` stored as ``option`` costs its rank.
+
+    Formulas in the module docstring.
+    """
+    topo = inputs.topology
+    rb = table.row_bytes(option.precision, cols)
+    sb = table.state_bytes(cols)
+    ids = shard_ids(inputs, table, option, rows)
+    lookup_s = ids * (3 * rb + 2 * sb) * tier_seconds_per_byte(topo, option, table)
+    if option.sharding is ShardingType.DATA_PARALLEL:
+        out = 0.0
+        buffers = 0.0
+        ids_in = 0.0
+    else:
+        width = table.dim if option.sharding in _PARTIAL_SUMS else cols
+        out = inputs.batch_size * width * OUT_BYTES
+        ids_in = ids * ID_BYTES
+        buffers = ids_in + 2 * out
+    weights = float(rows * rb)
+    state = float(rows * sb)
+    cache = float(math.ceil(option.cache_fraction * rows) * rb) if option.cache_tier else 0.0
+    memory = [0.0, 0.0, 0.0]
+    memory[TIER_ORDER.index(option.tier)] += weights + state
+    if option.cache_tier is not None:
+        memory[TIER_ORDER.index(option.cache_tier)] += cache
+    fast = TIER_ORDER.index(topo.fast_tier)
+    fast_rows = memory[fast]
+    memory[fast] += buffers
+    return ShardCost(
+        lookup_s=lookup_s,
+        bytes_in=ids_in + out,
+        bytes_out=out,
+        memory=(memory[0], memory[1], memory[2]),
+        weights=weights,
+        state=state,
+        cache=cache,
+        buffers=buffers,
+        fast_rows=fast_rows,
+    )
+
+
+_PARTIAL_SUMS = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
+
+
+def uniform_cost(inputs: PlannerInputs, table: TableSpec, option: Option) -> Uniform:
+    """What ``table`` stored as ``option`` adds to every rank (module docstring)."""
+    topo = inputs.topology
+    w = topo.world_size
+    local_batch = inputs.batch_size / w
+    if option.sharding is ShardingType.DATA_PARALLEL:
+        ring = 2 * (w - 1) / w * table.rows * table.dim * OUT_BYTES
+        return Uniform(
+            bytes_in=0.0, bytes_out=0.0, buffers=0.0, seconds=ring * ring_seconds_per_byte(topo)
+        )
+    if option.sharding in _PARTIAL_SUMS:
+        answered = option.blocks * local_batch * table.dim * OUT_BYTES
+    else:
+        answered = local_batch * table.dim * OUT_BYTES  # the blocks' widths sum to d
+    ids_out = local_batch * table.pooling * ID_BYTES
+    return Uniform(bytes_in=answered, bytes_out=ids_out + answered, buffers=ids_out + 2 * answered)
+
+
+def latency_collectives(groups: set[str] | frozenset[str]) -> int:
+    """Collective calls per step: 3 per sharding group in use, 1 for replicated, 1 dense."""
+    return sum(COLLECTIVES_PER_GROUP[g] for g in groups) + 1
+
+
+def dense_seconds(inputs: PlannerInputs) -> tuple[float, float]:
+    """(compute seconds, gradient all-reduce seconds) of the dense part, per rank."""
+    topo = inputs.topology
+    w = topo.world_size
+    compute = inputs.batch_size / w * inputs.dense_flops_per_sample / topo.rank.matmul_flops
+    allreduce = 2 * (w - 1) / w * inputs.dense_params * OUT_BYTES * ring_seconds_per_byte(topo)
+    return compute, allreduce
