@@ -338,13 +338,18 @@ class ShardingConfig:
             ``row_wise``, ``column_wise``, ``data_parallel``, ``table_row_wise``,
             ``table_column_wise``); tables are placed by type with bytes balanced over
             ranks (``tetrarec.sharding.plan_by_type``). Default (neither ``type`` nor
-            ``plan``): ``table_wise``.
+            ``plan``): the planner chooses (``tetrarec.planner``, on ``topology``).
         plan: a plan file (JSON, ``ShardingPlan.save``), instead of ``type``.
         column_block: column-wise block width (it must divide the tables' dim; default:
             one block per rank).
         local_world_size: ranks per node (default: torchrun's ``LOCAL_WORLD_SIZE``);
             table-row-wise and table-column-wise tables stay inside one node.
         timeout_s: how long a collective may take before every rank stops with an error.
+        topology: what the planner plans for when neither ``type`` nor ``plan`` is set:
+            a preset name (``this-machine``, ``gpu-node-8``, ``zionex-16x8``) or a
+            topology TOML file (``tetrarec bench calibrate --out``).
+        stats: optional per-feature statistics for the planner (``tetrarec stats
+            --json``); without them every feature has pooling 1 and uniform access.
 
     Raises:
         ValueError: if both ``type`` and ``plan`` are set, or on a bad number.
@@ -355,6 +360,8 @@ class ShardingConfig:
     column_block: int | None = None
     local_world_size: int = 0
     timeout_s: float = 300.0
+    topology: str = "this-machine"
+    stats: str | None = None
 
     def __post_init__(self) -> None:
         if self.type is not None and self.plan is not None:

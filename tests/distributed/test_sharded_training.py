@@ -77,6 +77,7 @@ def two_ranks(tmp_path_factory):
         Scenario("keep_best", (*TINY, MIXED, "train.eval_every=1", "train.keep_best=log_loss",
                                "train.early_stop_patience=1", "train.checkpoint_every=1",
                                "train.keep_checkpoints=1", "optim.dense_lr=2.0", ck("best"))),
+        Scenario("planned", (*TINY, "optim.sparse.kind=sgd", ck("planned"))),
         Scenario("rank_1_other_config", TINY, rank_overrides=((1, ("optim.sparse.lr=0.2",)),)),
         Scenario("unknown_table", (*TINY, f"sharding.plan={tmp / 'unknown.json'}")),
         Scenario("block_not_dividing", (*TINY, "sharding.type=column_wise",
@@ -196,3 +197,20 @@ def test_the_plan_round_trips_through_json_and_describes_itself(tmp_path):
         assert word in text
     # RW over 3 ranks + CW dim 8 in blocks of 4 + DP on 3 ranks + TW
     assert Path(tmp_path / "p.json").read_text().count('"rank"') == 3 + 2 + 3 + 1
+
+
+def test_without_a_type_or_plan_the_planner_plans_and_training_matches_one_process(two_ranks):
+    """Bugs caught: the run ignoring the planner (placing by type, or failing), ranks that
+    plan differently (the fingerprint check would stop them), a plan not saved with the
+    checkpoint, a planned run that trains differently from one process."""
+    from tetrarec.planner import Topology, inputs_from_config, plan
+
+    results, tmp = two_ranks
+    assert all(r["ok"] for r in results["planned"]), results["planned"]
+    config = RunConfig().with_overrides([*TINY, "optim.sparse.kind=sgd"])
+    expected, _ = plan(inputs_from_config(config, Topology.preset("this-machine").resized(2, 2)))
+    meta = json.loads((tmp / "planned" / "step_00000006" / "meta.json").read_text())
+    assert ShardingPlan.from_dict(meta["sharding"]["plan"]) == expected
+    ref = one_process("optim.sparse.kind=sgd")["final"]
+    for res in results["planned"]:
+        assert abs(res["final"]["log_loss"] - ref["log_loss"]) < 1e-5

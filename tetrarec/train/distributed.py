@@ -7,8 +7,10 @@ each calls ``train``, which, seeing a launch of several ranks, does::
        sharding.timeout_s) and a second one for the dense layers' gradient all-reduce
     2. check that every rank runs the same config (one small collective; a rank started
        with another config stops every rank with the keys that differ)
-    3. make the plan (sharding.plan, or sharding.type placed by bytes) and check it
-       against the tables and the world
+    3. make the plan (sharding.plan; sharding.type placed by bytes; or, with neither,
+       the planner's on sharding.topology: a pure function of the config, so every rank
+       plans the same, and the plan's fingerprint is compared before the first
+       collective) and check it against the tables and the world
     4. build the datasets (``run_datasets``): every rank fits the dense transform on
        the training rows, then all take rank 0's statistics
     5. build the model with its tables described on the meta device, then
@@ -25,6 +27,8 @@ import torch
 from tetrarec.comm import LaunchInfo, init_from_env, second_group
 from tetrarec.config import RunConfig
 from tetrarec.data import DenseTransform, TransformedDataset, build_datasets
+from tetrarec.planner import Topology, inputs_from_config
+from tetrarec.planner import plan as make_planned
 from tetrarec.sharding import (
     ShardingEnv,
     ShardingPlan,
@@ -33,7 +37,6 @@ from tetrarec.sharding import (
     shard_model,
 )
 from tetrarec.train.build import RunParts, build_parts, build_tables, model_embeddings
-from tetrarec.types import ShardingType
 
 __all__ = ["make_plan", "run_datasets", "sharded_parts", "sharding_env"]
 
@@ -96,7 +99,10 @@ def run_datasets(
 
 
 def make_plan(config: RunConfig, env: ShardingEnv) -> ShardingPlan:
-    """The run's plan: the file ``sharding.plan``, or the tables placed by type.
+    """The run's plan: ``sharding.plan``, ``sharding.type``'s, or the planner's.
+
+    With neither a plan file nor a type, the planner plans for ``sharding.topology``
+    (and ``sharding.stats``); rank 0 logs its report.
 
     Raises:
         ValueError: if the plan does not fit the tables or the world.
@@ -107,8 +113,10 @@ def make_plan(config: RunConfig, env: ShardingEnv) -> ShardingPlan:
         plan = ShardingPlan.load(sc.plan)
         plan.check_world(env.world_size, env.local_world_size)
         plan.validate(tables)
+    elif sc.type is None:
+        plan = _planned(config, env)
     else:
-        kinds = sc.type or (ShardingType.TABLE_WISE,)
+        kinds = sc.type
         types = kinds[0] if isinstance(kinds, tuple) and len(kinds) == 1 else kinds
         plan = plan_by_type(
             tables,
@@ -119,6 +127,17 @@ def make_plan(config: RunConfig, env: ShardingEnv) -> ShardingPlan:
         )
     if env.rank == 0:
         logger.info("%s", plan.describe(tables))
+    return plan
+
+
+def _planned(config: RunConfig, env: ShardingEnv) -> ShardingPlan:
+    """The planner's plan for this world on ``sharding.topology`` (rank 0 logs why)."""
+    topology = Topology.resolve(config.sharding.topology).resized(
+        env.world_size, env.local_world_size
+    )
+    plan, report = make_planned(inputs_from_config(config, topology, config.sharding.stats))
+    if env.rank == 0:
+        logger.info("no sharding.type or sharding.plan: the planner's plan\n%s", report.describe())
     return plan
 
 
