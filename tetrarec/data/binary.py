@@ -89,10 +89,10 @@ class _NpyAppender:
 
 @dataclass(frozen=True, kw_only=True)
 class PreprocessSummary:
-    """What ``preprocess_criteo`` wrote.
+    """What ``preprocess_criteo`` (or ``preprocess_to_parquet``) wrote.
 
     Args:
-        output: the dataset directory.
+        output: the dataset directory (binary) or the Parquet file.
         rows: rows written.
         positives: rows with label 1.
         files: ``(input path, rows kept from it)`` per input, in order.
