@@ -143,17 +143,19 @@ def write_json(
     config: dict[str, Any],
     results: list[dict[str, Any]],
     kernels: dict[str, Any] | None = None,
+    **extra: Any,
 ) -> None:
-    """Write ``{"env", "config", "results"}`` to ``path`` (if given).
+    """Write ``{"env", "config", "results", **extra}`` to ``path`` (if given).
 
     ``env.kernels`` is ``kernels`` when given (benchmarks whose workers ran the
-    kernels say what they ran), else this process's ``kernel_summary()``.
+    kernels say what they ran), else this process's ``kernel_summary()``. ``extra``:
+    more top-level keys (a summary, say).
     """
     if not path:
         return
     env = environment()
     env["kernels"] = kernels if kernels is not None else kernel_summary()
-    payload = {"env": env, "config": config, "results": results}
+    payload = {"env": env, "config": config, "results": results, **extra}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {path}", file=sys.stderr)

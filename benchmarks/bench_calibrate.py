@@ -227,6 +227,146 @@ def a2a_rows(worlds: list[int], large_floats: int, iters: int) -> list[dict[str,
     return rows
 
 
+# --- (e) per-rank rates, every rank busy at once ----------------------------------------
+
+
+def rank_rates(
+    ctx: Any,
+    *,
+    rows: int,
+    ids: int,
+    mlp_batch: int,
+    a2a_floats: int,
+    iters: int,
+    mlps: tuple[tuple[int, tuple[int, ...]], ...] = ((13, (512, 256, 64)),),
+    zipf: float = 1.05,
+) -> dict[str, float]:
+    """This rank's rates while every rank of ``ctx`` measures the same at once.
+
+    Run on every rank (``run_ranks``), each with its share of the cores, so the figures
+    are what one rank of a training run gets on this machine:
+
+    - ``lookup_bandwidth``: a training lookup (fused forward, then backward with
+      row-wise Adagrad) of ``ids`` ids into ``rows`` x 64 FP32 rows, drawn with Zipf
+      exponent ``zipf`` (CTR data's typical skew; hot rows stay in the CPU's caches, so
+      uniform ids would price a skewed workload too high), as bytes per second in the
+      cost model's terms: ``ids (3 rb + 2 sb) / seconds`` (``tetrarec.planner.cost``),
+      so the model's lookup formula reproduces it.
+    - ``matmul_flops``: a training step of the MLPs ``mlps`` (``(inputs, layer
+      sizes)``, ReLU between, Adagrad) on ``mlp_batch`` rows, as ``3 x forward FLOPs /
+      seconds`` (the cost model's dense formula).
+    - ``a2a_small_s`` and ``a2a_large_s``: ``all_to_all_v`` of one float and of
+      ``a2a_floats`` floats per peer (``a2a_worker``).
+    - ``stage_s``: the fixed seconds of one collective stage of a sharded lookup
+      (``_stage_seconds``), the cost model's ``collective_latency_s``.
+    """
+    from tetrarec.embedding import SparseOptimizerSpec, TableConfig
+    from tetrarec.kernels import FusedEmbeddingBagCollection
+    from tetrarec.sparse import SparseFeatures
+    from tetrarec.types import OptimizerKind
+
+    gen = torch.Generator().manual_seed(ctx.rank)
+    table = TableConfig(name="t", num_embeddings=rows, dim=DIM)
+    spec = SparseOptimizerSpec(kind=OptimizerKind.ROWWISE_ADAGRAD, lr=0.01)
+    ebc = FusedEmbeddingBagCollection([table], spec, seed=ctx.rank)
+    from bench_dlrm import zipf_ids
+
+    feats = [
+        SparseFeatures.from_lengths(
+            ("t",), zipf_ids(rows, ids, zipf, gen), torch.ones(ids, dtype=torch.long)
+        )
+        for _ in range(4)
+    ]
+    grad = torch.randn(ids, DIM, generator=gen)
+    it = [0]
+
+    def lookup() -> None:
+        out = ebc(feats[it[0] % len(feats)]).values
+        it[0] += 1
+        out.backward(grad)
+
+    ctx.comm.barrier(label="calib")
+    t_lookup = measure(lookup, warmup=2, iters=iters).median
+    row_bytes, state_bytes = DIM * 4, 4  # FP32 row, one row-wise Adagrad sum
+    lookup_bandwidth = ids * (3 * row_bytes + 2 * state_bytes) / t_lookup
+
+    nets: list[torch.nn.Module] = []
+    inputs: list[torch.Tensor] = []
+    fwd_flops = 0
+    for n_in, sizes in mlps:
+        layers: list[torch.nn.Module] = []
+        for n_out in sizes:
+            layers += [torch.nn.Linear(n_in, n_out), torch.nn.ReLU()]
+            fwd_flops += 2 * mlp_batch * n_in * n_out
+            n_in = n_out
+        nets.append(torch.nn.Sequential(*layers))
+        inputs.append(torch.randn(mlp_batch, mlps[len(inputs)][0], generator=gen))
+    params = [p for net in nets for p in net.parameters()]
+    opt = torch.optim.Adagrad(params, lr=0.01)
+
+    def dense() -> None:
+        opt.zero_grad(set_to_none=True)
+        sum(net(x).sum() for net, x in zip(nets, inputs)).backward()
+        opt.step()
+
+    ctx.comm.barrier(label="calib")
+    t_dense = measure(dense, warmup=2, iters=iters).median
+    a2a = a2a_worker(ctx, (1, a2a_floats), iters)
+    return {
+        "lookup_bandwidth": lookup_bandwidth,
+        "matmul_flops": 3 * fwd_flops / t_dense,
+        "a2a_small_s": statistics.median(a2a["1"]),
+        "a2a_large_s": statistics.median(a2a[str(a2a_floats)]),
+        "stage_s": _stage_seconds(ctx, iters),
+    }
+
+
+def _stage_seconds(ctx: Any, iters: int) -> float:
+    """Fixed seconds per collective stage of a sharded lookup: a table-wise lookup of a
+    few ids (one tiny table per rank; forward and backward are 4 collectives: id counts,
+    ids, pooled rows, their gradients) over 4. Unlike a bare all-to-all of one float, it
+    includes what each stage costs around its collective (routing, copies, autograd)."""
+    from tetrarec.embedding import SparseOptimizerSpec, TableConfig
+    from tetrarec.kernels import FusedEmbeddingBagCollection
+    from tetrarec.sharding import ShardingEnv, plan_by_type, shard_collection
+    from tetrarec.sparse import SparseFeatures
+    from tetrarec.types import OptimizerKind, ShardingType
+
+    w = ctx.world_size
+    tables = [TableConfig(name=f"s{r}", num_embeddings=100, dim=8) for r in range(w)]
+    spec = SparseOptimizerSpec(kind=OptimizerKind.ROWWISE_ADAGRAD, lr=0.01)
+    module = FusedEmbeddingBagCollection(tables, spec, seed=0, device="meta")
+    splan = plan_by_type(tables, ShardingType.TABLE_WISE, world_size=w)
+    sharded = shard_collection(module, splan, ShardingEnv(ctx.comm))
+    keys = tuple(t.name for t in tables)
+    feats = SparseFeatures.from_lengths(
+        keys, torch.arange(4 * w) % 100, torch.ones(4 * w, dtype=torch.long)
+    ).with_value_counts()
+
+    def step() -> None:
+        sharded(feats).values.sum().backward()
+
+    ctx.comm.barrier(label="calib")
+    return measure(step, warmup=3, iters=max(iters, 10)).median / 4
+
+
+def combine_rank_rates(results: list[dict[str, float]], a2a_floats: int) -> dict[str, float]:
+    """One figure per rate over the ranks of a ``rank_rates`` run: the slowest rank's
+    compute rates (a step waits for it) and the collectives' times as they end (on their
+    slowest rank)."""
+    w = len(results)
+    small = max(r["a2a_small_s"] for r in results)
+    large = max(r["a2a_large_s"] for r in results)
+    extra = (w - 1) * (a2a_floats - 1) * 4
+    return {
+        "lookup_bandwidth": min(r["lookup_bandwidth"] for r in results),
+        "matmul_flops": min(r["matmul_flops"] for r in results),
+        "a2a_latency_s": small,
+        "collective_latency_s": max(r["stage_s"] for r in results),
+        "link_bandwidth": extra / (large - small) if large > small else extra / large,
+    }
+
+
 # --- (d) SSD random reads -------------------------------------------------------------------
 
 

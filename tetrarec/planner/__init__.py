@@ -26,7 +26,7 @@ from tetrarec.planner.inputs import (
     load_stats,
     state_bytes_per_row,
 )
-from tetrarec.planner.report import PlanReport, RankReport, TableReport, evaluate
+from tetrarec.planner.report import PlanReport, RankReport, TableReport, evaluate, predict
 from tetrarec.planner.search import (
     PlannerError,
     Shortfall,
@@ -64,6 +64,7 @@ __all__ = [
     "inputs_from_config",
     "load_stats",
     "plan",
+    "predict",
     "preset_names",
     "search",
     "state_bytes_per_row",

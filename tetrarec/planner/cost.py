@@ -8,8 +8,9 @@ optimizer-state bytes of that row (FP32 values, step counts included), ``I = 8``
 per id, ``E = 4`` bytes per pooled value (FP32).
 
 **Ids a shard looks up per step** (``ids``): TW and CW/TWCW blocks ``B P`` (every id of
-the table's features), RW ``B P n / N``, TWRW ``B P n / N`` (its row block of the node's),
-DP ``b P`` (the rank's own samples).
+the table's features), RW ``B P n / N``, TWRW ``B P n / N`` (its row block of the node's).
+A DP replica pools its own samples' ``b P`` ids forward and applies the global batch's
+update backward (``B P`` ids: every replica makes the one-process update).
 
 **Storage of a shard** (in its tier ``t``; a cached placement keeps the hottest
 ``f`` (1% or 5%) of its rows again in the next faster tier)::
@@ -25,7 +26,11 @@ for TWRW, each of width ``c_k``).
 **Lookup time of a shard**: forward reads each looked-up row once, backward reads and
 writes it and its optimizer state (the fused update)::
 
-    lookup_s = ids (3 rb(c) + 2 sb(c)) spb_tier
+    lookup_s = (ids_fwd rb(c) + ids_bwd (2 rb(c) + 2 sb(c))) spb_tier
+             + ids rb(c) spb_tier      (CW/TWCW blocks with a row-wise optimizer: the
+                                        blocks' row-gradient shares, computed once more)
+
+(``ids_fwd = ids_bwd = ids`` except DP: ``b P`` and ``B P``.)
     spb_tier = 1 / bw_t                                 (rows in tier t)
              = h / bw_fast + (1 - h) / bw_t             (cached: hit rate h = hot_f)
 
@@ -39,10 +44,13 @@ A shard's holder receives ``ids I`` (input dist) plus ``out`` (gradients of its 
 backward) and sends ``out`` (its pooled outputs, forward), with ``out = B c E`` (TW, CW,
 TWCW blocks; RW and TWRW send partial sums of all ``B`` samples: ``B d E``). Every rank,
 as a requester, sends ``b P I + k b c_k E`` and receives ``k b c_k E`` per sharded table.
-A DP table all-reduces its FP32 gradient every step: ``2 (W - 1) / W N d E`` each way
-over the ring's slowest link. Latency: 3 collectives per sharding group in use (the
-block group for TW/CW/TWCW, the row group for RW/TWRW: ids, outputs, gradients), 1 for
-the replicated group, 1 for the dense gradient.
+A DP table all-gathers, in backward, every rank's ids and pooled-output gradients
+(never a table-sized gradient): each rank sends its ``b (P I + d E)`` bytes to the
+``W - 1`` others and receives theirs. Latency: per sharding group in use 4 collectives
+(the block group for TW/CW/TWCW, the row group for RW/TWRW: id counts, ids, outputs,
+output gradients), one more for the block group's row-wise optimizer state shares when
+it holds CW/TWCW tables, 3 for the replicated group (sizes, ids, gradients), and 1 for
+the dense gradient.
 
 **Dense part** (the same on every rank)::
 
@@ -60,7 +68,7 @@ from dataclasses import dataclass
 
 from tetrarec.planner.inputs import PlannerInputs, TableSpec
 from tetrarec.planner.topology import TIER_ORDER, Tier, Topology
-from tetrarec.types import Precision, ShardingType
+from tetrarec.types import OptimizerKind, Precision, ShardingType
 
 __all__ = [
     "ID_BYTES",
@@ -71,6 +79,7 @@ __all__ = [
     "dense_seconds",
     "latency_collectives",
     "link_seconds_per_byte",
+    "option_groups",
     "ring_seconds_per_byte",
     "shard_cost",
     "uniform_cost",
@@ -88,7 +97,9 @@ GROUP_OF = {
     ShardingType.TABLE_ROW_WISE: "row",
     ShardingType.DATA_PARALLEL: "replicated",
 }
-COLLECTIVES_PER_GROUP = {"block": 3, "row": 3, "replicated": 1}
+COLLECTIVES_PER_GROUP = {"block": 4, "row": 4, "replicated": 3, "block_rowwise_state": 1}
+#: Optimizers whose per-row state the blocks of a column-split table share.
+ROWWISE_KINDS = (OptimizerKind.ROWWISE_ADAGRAD, OptimizerKind.ROWWISE_ADAM)
 
 SHORT = {
     ShardingType.TABLE_WISE: "TW",
@@ -228,7 +239,13 @@ def shard_cost(
     rb = table.row_bytes(option.precision, cols)
     sb = table.state_bytes(cols)
     ids = shard_ids(inputs, table, option, rows)
-    lookup_s = ids * (3 * rb + 2 * sb) * tier_seconds_per_byte(topo, option, table)
+    ids_bwd = ids
+    if option.sharding is ShardingType.DATA_PARALLEL:
+        ids_bwd = inputs.batch_size * table.pooling  # the global batch's update
+    moved = ids * rb + ids_bwd * (2 * rb + 2 * sb)
+    if option.sharding in _BLOCKS and option.blocks > 1 and table.optimizer in ROWWISE_KINDS:
+        moved += ids * rb  # the row-gradient shares the blocks exchange
+    lookup_s = moved * tier_seconds_per_byte(topo, option, table)
     if option.sharding is ShardingType.DATA_PARALLEL:
         out = 0.0
         buffers = 0.0
@@ -262,6 +279,7 @@ def shard_cost(
 
 
 _PARTIAL_SUMS = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
+_BLOCKS = (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
 
 
 def uniform_cost(inputs: PlannerInputs, table: TableSpec, option: Option) -> Uniform:
@@ -270,10 +288,9 @@ def uniform_cost(inputs: PlannerInputs, table: TableSpec, option: Option) -> Uni
     w = topo.world_size
     local_batch = inputs.batch_size / w
     if option.sharding is ShardingType.DATA_PARALLEL:
-        ring = 2 * (w - 1) / w * table.rows * table.dim * OUT_BYTES
-        return Uniform(
-            bytes_in=0.0, bytes_out=0.0, buffers=0.0, seconds=ring * ring_seconds_per_byte(topo)
-        )
+        mine = local_batch * (table.pooling * ID_BYTES + table.dim * OUT_BYTES)
+        # buffers: every rank's ids and gradients, gathered
+        return Uniform(bytes_in=(w - 1) * mine, bytes_out=(w - 1) * mine, buffers=w * mine)
     if option.sharding in _PARTIAL_SUMS:
         answered = option.blocks * local_batch * table.dim * OUT_BYTES
     else:
@@ -282,8 +299,16 @@ def uniform_cost(inputs: PlannerInputs, table: TableSpec, option: Option) -> Uni
     return Uniform(bytes_in=answered, bytes_out=ids_out + answered, buffers=ids_out + 2 * answered)
 
 
+def option_groups(table: TableSpec, option: Option) -> frozenset[str]:
+    """The collective groups a table stored as ``option`` takes part in (module docstring)."""
+    group = GROUP_OF[option.sharding]
+    if option.sharding in _BLOCKS and option.blocks > 1 and table.optimizer in ROWWISE_KINDS:
+        return frozenset((group, "block_rowwise_state"))
+    return frozenset((group,))
+
+
 def latency_collectives(groups: set[str] | frozenset[str]) -> int:
-    """Collective calls per step: 3 per sharding group in use, 1 for replicated, 1 dense."""
+    """Collective calls per step: ``COLLECTIVES_PER_GROUP`` of each group in use, +1 dense."""
     return sum(COLLECTIVES_PER_GROUP[g] for g in groups) + 1
 
 

@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from tetrarec.planner.cost import (
-    GROUP_OF,
+    Option,
     dense_seconds,
     latency_collectives,
     link_seconds_per_byte,
+    option_groups,
     shard_cost,
     uniform_cost,
 )
@@ -31,8 +32,9 @@ from tetrarec.planner.inputs import PlannerInputs
 from tetrarec.planner.search import TableChoice
 from tetrarec.planner.topology import TIER_ORDER
 from tetrarec.sharding.plan import ShardingPlan
+from tetrarec.types import ShardingType
 
-__all__ = ["PlanReport", "RankReport", "TableReport", "evaluate", "plot_report"]
+__all__ = ["PlanReport", "RankReport", "TableReport", "evaluate", "plot_report", "predict"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,7 +248,7 @@ def evaluate(
         u_out += u.bytes_out
         u_buf += u.buffers
         u_sec += u.seconds
-        groups.add(GROUP_OF[opt.sharding])
+        groups |= option_groups(table, opt)
         tables.append(
             TableReport(
                 table=table.name,
@@ -286,6 +288,45 @@ def evaluate(
         tables=tuple(tables),
         plan_seconds=plan_seconds,
     )
+
+
+def predict(inputs: PlannerInputs, plan: ShardingPlan) -> PlanReport:
+    """The report of any plan of ``inputs``' tables (by hand, another planner, this one).
+
+    The cost model (``cost.py``) prices it exactly as it prices the planner's own.
+
+    ``ShardingPlan`` has no tier or precision fields: every table is priced in the
+    topology's fast tier at its configured precision (``TableSpec.precision``).
+
+    Raises:
+        ValueError: if the plan does not fit the tables (``ShardingPlan.validate``) or
+            was made for another world size than the topology's.
+    """
+    topo = inputs.topology
+    plan.validate(inputs.table_configs())
+    if plan.world_size != topo.world_size:
+        raise ValueError(
+            f"the plan is for {plan.world_size} ranks, the topology has {topo.world_size}"
+        )
+    by_name = {t.name: t for t in inputs.tables}
+    choices = []
+    for tp in plan:
+        table = by_name[tp.table]
+        if tp.sharding in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE):
+            blocks = len({s.cols for s in tp.shards})
+        else:
+            blocks = len(tp.shards)
+        option = Option(
+            sharding=tp.sharding, blocks=blocks, tier=topo.fast_tier, precision=table.precision
+        )
+        choices.append(
+            TableChoice(
+                table=tp.table, option=option, shards=tp.shards, reason="given", candidates=1
+            )
+        )
+    order = {t.name: i for i, t in enumerate(inputs.tables)}
+    choices.sort(key=lambda c: order[c.table])
+    return evaluate(inputs, plan, choices)
 
 
 def plot_report(report: PlanReport, path: str | Path) -> None:

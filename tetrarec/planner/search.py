@@ -38,7 +38,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from tetrarec.planner.cost import (
-    GROUP_OF,
     SHORT,
     Option,
     ShardCost,
@@ -46,6 +45,7 @@ from tetrarec.planner.cost import (
     dense_seconds,
     latency_collectives,
     link_seconds_per_byte,
+    option_groups,
     shard_cost,
     uniform_cost,
 )
@@ -238,7 +238,7 @@ class _Ranks:
             self.mem[:3, r] += sign * np.asarray(cost.memory)
             self.mem[3, r] += sign * cost.fast_rows
 
-    def add_uniform(self, u: Uniform, group: str, table: str) -> None:
+    def add_uniform(self, u: Uniform, groups: frozenset[str], table: str) -> None:
         self.u_in += u.bytes_in
         self.u_out += u.bytes_out
         self.u_buf += u.buffers
@@ -246,7 +246,7 @@ class _Ranks:
         extra = u.buffers - self.reserved.pop(table)
         self.mem[self.fast] += extra
         self.mem[3] += max(extra, 0.0)
-        self.groups.add(group)
+        self.groups |= groups
 
 
 @dataclass
@@ -266,7 +266,6 @@ def _evaluate(
     rows = max(p[0] for p in pieces)
     cost = shard_cost(inputs, table, option, rows, pieces[0][1])
     u = uniform_cost(inputs, table, option)
-    group = GROUP_OF[option.sharding]
     need = np.asarray([*cost.memory, cost.fast_rows])[:, None]
     ubuf = np.zeros((4, 1))
     ubuf[st.fast] = u.buffers - st.reserved[table.name]  # beyond its reservation
@@ -276,7 +275,7 @@ def _evaluate(
         tier = TIER_ORDER[st.fast]
         return tier, float(u.buffers), float(-free[st.fast].min())
     fits: np.ndarray = np.asarray((free >= need).all(axis=0))
-    groups = st.groups | {group}
+    groups = st.groups | option_groups(table, option)
     fixed = st.u_sec + u.seconds + st.dense + st.latency * latency_collectives(groups)
     base_in, base_out = st.cin + st.u_in + u.bytes_in, st.cout + st.u_out + u.bytes_out
     t_u = st.lookup + np.maximum(base_in, base_out) * st.spb + fixed
@@ -460,7 +459,7 @@ def _search(inputs: PlannerInputs, margin: float) -> tuple[ShardingPlan, tuple[T
         assert won is not None
         assert won_opt is not None
         st.add(won.ranks, won.cost)
-        st.add_uniform(won.uniform, GROUP_OF[won_opt.sharding], table.name)
+        st.add_uniform(won.uniform, option_groups(table, won_opt), table.name)
         why = _reason(inputs, table, won, won_opt, tw_fast, fitting)
         chosen[table.name] = (won_opt, won, why, fitting)
     if failures:

@@ -18,7 +18,9 @@ from tetrarec.planner import (
 )
 from tetrarec.planner.cost import (
     Option,
+    latency_collectives,
     link_seconds_per_byte,
+    option_groups,
     shard_cost,
     uniform_cost,
 )
@@ -113,3 +115,33 @@ def test_stats_loader_reads_the_shared_format_and_names_bad_features() -> None:
     assert stats["C1"] == AccessStats(mean_pooling=3.0, hot_1pct=0.4, hot_5pct=0.6)
     with pytest.raises(ValueError, match="C2"):
         load_stats({"features": {"C2": {"hot_1pct": 0.9, "hot_5pct": 0.1}}})
+
+
+def test_data_parallel_prices_the_global_update_and_the_gathers() -> None:
+    """Catches a DP table priced as a table-sized all-reduce (what the runtime never
+    sends) or as updating only the rank's own ids (every replica applies the global
+    batch's update)."""
+    dp = Option(sharding=ShardingType.DATA_PARALLEL, blocks=2, tier=Tier.HOST,
+                precision=Precision.FP32)  # fmt: skip
+    c = shard_cost(INPUTS, TABLE, dp, 1000, 4)
+    # forward: b P = 8 ids read (16 B); backward: B P = 16 ids read + written (2*16 + 2*4)
+    assert c.lookup_s == pytest.approx((8 * 16 + 16 * 40) / 1e9)
+    assert (c.bytes_in, c.bytes_out) == (0.0, 0.0)
+    u = uniform_cost(INPUTS, TABLE, dp)
+    # each rank gathers the other's b (P I + d E) = 4 (2*8 + 4*4) = 128 bytes
+    assert (u.bytes_in, u.bytes_out, u.seconds) == (128.0, 128.0, 0.0)
+    assert u.buffers == 2 * 128
+
+
+def test_column_blocks_of_a_rowwise_optimizer_pay_the_state_exchange() -> None:
+    """Catches a column-wise table whose row-wise optimizer state exchange is left out
+    of the lookup time or of the collectives counted for latency."""
+    cw = Option(sharding=ShardingType.COLUMN_WISE, blocks=2, tier=Tier.HOST,
+                precision=Precision.FP32)  # fmt: skip
+    c = shard_cost(INPUTS, TABLE, cw, 1000, 2)
+    # ids B P = 16; a 2-column block row 8 B, its state 4 B: 16 (3*8 + 2*4 + 8) / 1e9
+    assert c.lookup_s == pytest.approx(16 * 40 / 1e9)
+    assert option_groups(TABLE, cw) == {"block", "block_rowwise_state"}
+    assert latency_collectives(option_groups(TABLE, cw)) == 4 + 1 + 1
+    sgd = TableSpec(name="s", rows=10, dim=4, features=("s",), optimizer=OptimizerKind.SGD)
+    assert option_groups(sgd, cw) == {"block"}

@@ -18,7 +18,10 @@ from tetrarec.planner import (
     candidates,
     fit_precisions,
     plan,
+    predict,
 )
+from tetrarec.sharding import ShardingPlan, plan_by_type
+from tetrarec.sharding.plan import Shard, TablePlan
 from tetrarec.types import Precision, ShardingType
 
 
@@ -200,3 +203,34 @@ def test_candidates_follow_the_world_and_the_tiers() -> None:
     cached = [o for o in big_opts if o.cache_tier is not None]
     assert cached
     assert all((o.tier, o.cache_tier) == (Tier.HOST, Tier.DEVICE) for o in cached)
+
+
+def test_predict_prices_any_plan_as_the_planner_prices_its_own() -> None:
+    """Catches ``predict`` pricing a plan differently from the search (a wrong block
+    count, tier or precision), and a hand plan that piles every table on one rank
+    predicted as balanced."""
+    topo = _topology(device_memory=0.0, host_memory=1e9)  # one tier: predict's fast tier
+    inputs = _inputs(topology=topo)
+    sharding_plan, report = plan(inputs)
+    again = predict(inputs, sharding_plan)
+    assert [r.step_s for r in again.ranks] == pytest.approx([r.step_s for r in report.ranks])
+    assert [r.memory for r in again.ranks] == [r.memory for r in report.ranks]
+    tables = inputs.table_configs()
+    one = ShardingPlan(
+        world_size=4,
+        local_world_size=4,
+        tables=tuple(
+            TablePlan(
+                table=t.name,
+                sharding=ShardingType.TABLE_WISE,
+                shards=(Shard(rank=0, rows=(0, t.num_embeddings), cols=(0, t.dim)),),
+            )
+            for t in tables
+        ),
+    )
+    piled = predict(inputs, one)
+    assert piled.ranks[0].lookup_s > 0
+    assert all(r.lookup_s == 0 for r in piled.ranks[1:])
+    assert piled.step_s > report.step_s
+    with pytest.raises(ValueError, match="plan is for 2 ranks"):
+        predict(inputs, plan_by_type(tables, ShardingType.TABLE_WISE, world_size=2))
