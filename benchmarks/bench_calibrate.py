@@ -69,6 +69,7 @@ MATMUL_SHAPES = ((2048, 512, 256), (2048, 1024, 1024), (2048, 512, 1024), (2048,
 SMOKE_MATMUL_SHAPES = ((256, 128, 128), (256, 256, 256))
 SSD_BLOCK = 4096
 RANKS_PER_NODE = 2
+POOLING = 8  # ids per bag of the per-rank lookup rates (per-id work, not per-bag output)
 
 
 # --- (a) random-row gather --------------------------------------------------------------
@@ -239,19 +240,19 @@ def rank_rates(
     a2a_floats: int,
     iters: int,
     mlps: tuple[tuple[int, tuple[int, ...]], ...] = ((13, (512, 256, 64)),),
-    zipf: float = 1.05,
 ) -> dict[str, float]:
     """This rank's rates while every rank of ``ctx`` measures the same at once.
 
     Run on every rank (``run_ranks``), each with its share of the cores, so the figures
     are what one rank of a training run gets on this machine:
 
-    - ``lookup_bandwidth``: a training lookup (fused forward, then backward with
-      row-wise Adagrad) of ``ids`` ids into ``rows`` x 64 FP32 rows, drawn with Zipf
-      exponent ``zipf`` (CTR data's typical skew; hot rows stay in the CPU's caches, so
-      uniform ids would price a skewed workload too high), as bytes per second in the
-      cost model's terms: ``ids (3 rb + 2 sb) / seconds`` (``tetrarec.planner.cost``),
-      so the model's lookup formula reproduces it.
+    - ``lookup_bandwidth`` and ``lookup_ids_per_s``: training lookups (fused forward,
+      then backward with row-wise Adagrad) of ``ids`` and ``4 ids`` uniform ids in bags
+      of ``POOLING``, into
+      ``rows`` x 64 FP32 rows (distinct rows: per-id work and row bytes) and into 256
+      rows (repeats: per-id work only). From the slopes, in the cost model's terms
+      (``tetrarec.planner.cost``): ``2 / lookup_ids_per_s`` seconds per id in the tiny
+      table, plus ``(3 rb + 2 sb) / lookup_bandwidth`` per distinct row.
     - ``matmul_flops``: a training step of the MLPs ``mlps`` (``(inputs, layer
       sizes)``, ReLU between, Adagrad) on ``mlp_batch`` rows, as ``3 x forward FLOPs /
       seconds`` (the cost model's dense formula).
@@ -266,29 +267,37 @@ def rank_rates(
     from tetrarec.types import OptimizerKind
 
     gen = torch.Generator().manual_seed(ctx.rank)
-    table = TableConfig(name="t", num_embeddings=rows, dim=DIM)
     spec = SparseOptimizerSpec(kind=OptimizerKind.ROWWISE_ADAGRAD, lr=0.01)
-    ebc = FusedEmbeddingBagCollection([table], spec, seed=ctx.rank)
-    from bench_dlrm import zipf_ids
 
-    feats = [
-        SparseFeatures.from_lengths(
-            ("t",), zipf_ids(rows, ids, zipf, gen), torch.ones(ids, dtype=torch.long)
-        )
-        for _ in range(4)
-    ]
-    grad = torch.randn(ids, DIM, generator=gen)
-    it = [0]
+    def lookup_seconds(table_rows: int, n: int) -> float:
+        table = TableConfig(name="t", num_embeddings=table_rows, dim=DIM)
+        ebc = FusedEmbeddingBagCollection([table], spec, seed=ctx.rank)
+        bags = torch.full((n // POOLING,), POOLING, dtype=torch.long)
+        feats = [
+            SparseFeatures.from_lengths(
+                ("t",), torch.randint(0, table_rows, (n,), generator=gen), bags
+            )
+            for _ in range(4)
+        ]
+        grad = torch.randn(n // POOLING, DIM, generator=gen)
+        it = [0]
 
-    def lookup() -> None:
-        out = ebc(feats[it[0] % len(feats)]).values
-        it[0] += 1
-        out.backward(grad)
+        def lookup() -> None:
+            out = ebc(feats[it[0] % len(feats)]).values
+            it[0] += 1
+            out.backward(grad)
 
-    ctx.comm.barrier(label="calib")
-    t_lookup = measure(lookup, warmup=2, iters=iters).median
+        ctx.comm.barrier(label="calib")
+        return measure(lookup, warmup=2, iters=iters).median
+
+    # Slopes over 3 ids more per id remove the fixed cost of a call. In a tiny table
+    # every id repeats a cached row: only the per-id work is left (forward + backward);
+    # in a big one, uniform ids are distinct rows: per-id work plus the rows' bytes.
+    tiny = (lookup_seconds(256, 4 * ids) - lookup_seconds(256, ids)) / (3 * ids)
+    big = (lookup_seconds(rows, 4 * ids) - lookup_seconds(rows, ids)) / (3 * ids)
     row_bytes, state_bytes = DIM * 4, 4  # FP32 row, one row-wise Adagrad sum
-    lookup_bandwidth = ids * (3 * row_bytes + 2 * state_bytes) / t_lookup
+    lookup_ids_per_s = 2 / tiny if tiny > 0 else 0.0
+    lookup_bandwidth = (3 * row_bytes + 2 * state_bytes) / max(big - max(tiny, 0.0), 1e-12)
 
     nets: list[torch.nn.Module] = []
     inputs: list[torch.Tensor] = []
@@ -314,6 +323,7 @@ def rank_rates(
     a2a = a2a_worker(ctx, (1, a2a_floats), iters)
     return {
         "lookup_bandwidth": lookup_bandwidth,
+        "lookup_ids_per_s": lookup_ids_per_s,
         "matmul_flops": 3 * fwd_flops / t_dense,
         "a2a_small_s": statistics.median(a2a["1"]),
         "a2a_large_s": statistics.median(a2a[str(a2a_floats)]),
@@ -360,6 +370,7 @@ def combine_rank_rates(results: list[dict[str, float]], a2a_floats: int) -> dict
     extra = (w - 1) * (a2a_floats - 1) * 4
     return {
         "lookup_bandwidth": min(r["lookup_bandwidth"] for r in results),
+        "lookup_ids_per_s": min(r["lookup_ids_per_s"] for r in results),
         "matmul_flops": min(r["matmul_flops"] for r in results),
         "a2a_latency_s": small,
         "collective_latency_s": max(r["stage_s"] for r in results),
@@ -436,8 +447,53 @@ def host_memory_bytes() -> int:
     raise RuntimeError("/proc/meminfo has no MemTotal line")
 
 
+def _rates_worker(ctx: Any, cores: int, kw: dict[str, Any]) -> dict[str, float]:
+    torch.set_num_threads(max(1, cores // ctx.world_size))
+    return rank_rates(ctx, **kw)
+
+
+def rank_rate_rows(world: int, cores: int, smoke: bool) -> list[dict[str, Any]]:
+    """``rank_rates`` on ``world`` ranks at once, each with its share of the cores, as
+    result rows (``what`` = ``per-rank <rate>``)."""
+    from tetrarec.testing import run_ranks
+
+    kw: dict[str, Any] = (
+        {"rows": 10_000, "ids": 2_048, "mlp_batch": 64, "a2a_floats": 4096, "iters": 3}
+        if smoke
+        else {"rows": 1_000_000, "ids": 8192, "mlp_batch": 1024, "a2a_floats": 1 << 20, "iters": 10}
+    )
+    res = run_ranks(
+        _rates_worker,
+        world_size=world,
+        args=(cores, kw),
+        timeout_s=900,
+        collective_timeout_s=300,
+        deterministic=False,
+    )
+    units = {
+        "lookup_bandwidth": "B/s",
+        "lookup_ids_per_s": "1/s",
+        "matmul_flops": "FLOP/s",
+        "a2a_latency_s": "s",
+        "collective_latency_s": "s",
+        "link_bandwidth": "B/s",
+    }
+    return [
+        {
+            "impl": f"{world} ranks at once",
+            "what": f"per-rank {k}",
+            "world_size": world,
+            "ms": float("nan"),
+            "value": v,
+            "unit": units[k],
+        }
+        for k, v in combine_rank_rates(res, kw["a2a_floats"]).items()
+    ]
+
+
 def topology(results: list[dict[str, Any]], ssd_dir: Path) -> dict[str, Any]:
-    """The topology fields (shared schema) from the measured rows."""
+    """The topology fields (shared schema) from the measured rows: per-rank rates from
+    the ranks measured at once (``rank_rate_rows``)."""
 
     def pick(what: str, impl: str | None = None) -> float:
         return float(
@@ -445,13 +501,12 @@ def topology(results: list[dict[str, Any]], ssd_dir: Path) -> dict[str, Any]:
         )
 
     ssd_rows = [r for r in results if r["what"] == "ssd random read"]
-    matmul = statistics.median(r["value"] for r in results if r["what"].startswith("matmul"))
     a2a = pick(f"all_to_all bandwidth W={RANKS_PER_NODE}")
     return {
         "name": "calibrated-" + re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname()),
         "nodes": 1,
         "ranks_per_node": RANKS_PER_NODE,
-        "collective_latency_s": pick(f"all_to_all latency W={RANKS_PER_NODE}"),
+        "collective_latency_s": pick("per-rank collective_latency_s"),
         "intra_node_bandwidth": a2a,
         "inter_node_bandwidth": a2a,
         "rank": {
@@ -459,9 +514,10 @@ def topology(results: list[dict[str, Any]], ssd_dir: Path) -> dict[str, Any]:
             "host_memory": host_memory_bytes() // RANKS_PER_NODE,
             "ssd": shutil.disk_usage(ssd_dir).free // RANKS_PER_NODE,
             "device_bandwidth": 0,
-            "host_bandwidth": pick("gather", "tetrarec-fused-forward"),
+            "host_bandwidth": pick("per-rank lookup_bandwidth"),
             "ssd_bandwidth": ssd_rows[0]["value"] if ssd_rows else 0.0,
-            "matmul_flops": matmul,
+            "matmul_flops": pick("per-rank matmul_flops"),
+            "lookup_ids_per_s": pick("per-rank lookup_ids_per_s"),
         },
     }
 
@@ -524,6 +580,8 @@ def main(argv: list[str] | None = None) -> None:
     results += matmul_rows(shapes, iters)
     _progress(f"all_to_all at world sizes {worlds}")
     results += a2a_rows(worlds, max(2, int(a2a_mib * 2**20) // 4), iters)
+    _progress(f"per-rank rates, {RANKS_PER_NODE} ranks at once")
+    results += rank_rate_rows(RANKS_PER_NODE, os.cpu_count() or 1, args.smoke)
     if not args.no_ssd:
         _progress("ssd")
         results.append(ssd_row(args.ssd_dir, ssd_mib, 64 if args.smoke else 2000))
@@ -532,11 +590,14 @@ def main(argv: list[str] | None = None) -> None:
     header = [
         f"written by `tetrarec bench calibrate` on {socket.gethostname()} at "
         f"{started:%Y-%m-%d %H:%M} UTC (git {git_sha()}){', SMOKE sizes' if args.smoke else ''}",
-        f"host_bandwidth: random {DIM * 4}-byte rows gathered by tetrarec's fused forward "
-        f"from a {gib:g} GiB table",
-        f"matmul_flops: median FP32 torch.mm rate over (M, K, N) = {list(shapes)}",
-        f"collective_latency_s, intra_node_bandwidth: all_to_all_v on {RANKS_PER_NODE} gloo "
-        f"ranks of this machine (loopback: memory copies, not a network), {a2a_mib:g} MiB/peer",
+        f"per rank, {RANKS_PER_NODE} ranks measuring at once with their share of the cores "
+        "(bench_calibrate.rank_rates):",
+        f"  host_bandwidth, lookup_ids_per_s: training lookups of {DIM}-dim FP32 rows, a big "
+        "table (distinct rows) and a tiny one (repeated rows), slopes over the ids",
+        "  matmul_flops: a training step of a 13-512-256-64 MLP (3 x forward FLOPs / s)",
+        "  collective_latency_s: a tiny table-wise sharded lookup (4 collective stages) / 4",
+        f"intra_node_bandwidth: all_to_all_v on {RANKS_PER_NODE} gloo ranks of this machine "
+        f"(loopback: memory copies, not a network), {a2a_mib:g} MiB/peer",
         "inter_node_bandwidth: NOT measured (one node): the intra-node figure",
         "host_memory: MemTotal / ranks_per_node; ssd: free space of "
         f"{args.ssd_dir} / ranks_per_node; device_*: 0 (no accelerator)",

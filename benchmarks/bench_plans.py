@@ -13,9 +13,10 @@ the cost model (``tetrarec.planner.predict``) on a topology calibrated in the sa
    (small tables data-parallel, big ones table-wise; the biggest row-wise), and, when
    torchrec is installed, TorchRec's ``EmbeddingShardingPlanner`` choice for the same
    tables and world, translated into a tetrarec plan.
-3. **measure**: the ranks build each plan's sharded model in turn and time
-   ``--steps`` training steps after ``--warmup``; a plan's step is the slowest rank's
-   median. ``--rounds`` repeats the sequence and keeps each plan's fastest round.
+3. **measure**: the ranks build every plan's sharded model, warm each up, then time
+   ``--steps`` training steps of each, the plans taking turns step by step (so that a
+   burst of load from elsewhere falls on all alike); a plan's step is the slowest
+   rank's median.
 
 Reported per world size: predicted and measured step of every plan, the Spearman rank
 correlation, the mean absolute error in percent, the planner's plan against the fastest
@@ -87,8 +88,7 @@ class Config:
     batch: int = 2048
     zipf: float = 1.05
     warmup: int = 3
-    steps: int = 10
-    rounds: int = 1
+    steps: int = 20
     batches: int = 4
     lr: float = 0.01
     seed: int = 0
@@ -312,7 +312,6 @@ def calibrate_worker(ctx: Any, cfg: Config) -> dict[str, float]:
         a2a_floats=1 << 20,
         iters=10,
         mlps=mlps,
-        zipf=cfg.zipf,
     )
 
 
@@ -341,6 +340,7 @@ def calibrated_topology(cfg: Config, world: int) -> tuple[Topology, dict[str, fl
             host_memory=host_memory_bytes() / world,
             host_bandwidth=rates["lookup_bandwidth"],
             matmul_flops=rates["matmul_flops"],
+            lookup_ids_per_s=rates["lookup_ids_per_s"],
         ),
     )
     return topo, rates
@@ -390,36 +390,30 @@ class _WithDense:
 
 
 def measure_worker(ctx: Any, cfg: Config, plans: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Time every plan in turn (``cfg.rounds`` times); this rank's step times per plan."""
-    import gc
-
+    """This rank's step times per plan: every plan's model is built, warmed up, then the
+    plans take turns step by step (``cfg.steps`` rounds of one step each), so a burst of
+    load from elsewhere on the machine falls on all of them alike."""
     from tetrarec.comm import second_group
 
     torch.set_num_threads(max(1, cfg.cores // ctx.world_size))
     ctx = _WithDense(ctx, second_group(ctx.comm))
-    times: dict[str, list[list[float]]] = {name: [] for name in plans}
-    comm: dict[str, dict[str, float]] = {}
-    for _ in range(cfg.rounds):
-        for name, d in plans.items():
-            step = _step(cfg, ShardingPlan.from_dict(d), ctx)
-            for _ in range(cfg.warmup):
-                step()
+    steps = {name: _step(cfg, ShardingPlan.from_dict(d), ctx) for name, d in plans.items()}
+    for step in steps.values():
+        for _ in range(cfg.warmup):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in plans}
+    comm = {name: {"calls": 0.0, "bytes_sent": 0.0} for name in plans}
+    for _ in range(cfg.steps):
+        for name, step in steps.items():
             ctx.comm.barrier(label="bench")
             ctx.comm.reset_stats()
             ctx.dense_comm.reset_stats()
-            seconds = []
-            for _ in range(cfg.steps):
-                t0 = time.perf_counter()
-                step()
-                seconds.append(time.perf_counter() - t0)
-            times[name].append(seconds)
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
             stats = [*ctx.comm.stats.values(), *ctx.dense_comm.stats.values()]
-            comm[name] = {
-                "calls": sum(c.calls for c in stats) / cfg.steps,
-                "bytes_sent": sum(c.bytes_sent for c in stats) / cfg.steps,
-            }
-            del step
-            gc.collect()
+            comm[name]["calls"] += sum(c.calls for c in stats) / cfg.steps
+            comm[name]["bytes_sent"] += sum(c.bytes_sent for c in stats) / cfg.steps
     return {"times": times, "comm": comm, "kernels": kernel_summary()}
 
 
@@ -436,11 +430,8 @@ def measured_steps(cfg: Config, world: int, plans: dict[str, ShardingPlan]) -> d
     )
     out: dict[str, Any] = {"kernels": res[0]["kernels"], "ms": {}, "comm": {}}
     for name in plans:
-        # a step ends when its slowest rank does; keep the fastest round
-        rounds = [
-            max(statistics.median(r["times"][name][k]) for r in res) for k in range(cfg.rounds)
-        ]
-        out["ms"][name] = min(rounds) * 1e3
+        # a step ends when its slowest rank does
+        out["ms"][name] = max(statistics.median(r["times"][name]) for r in res) * 1e3
         # per rank per step: calls on rank 0, bytes sent by the busiest rank
         out["comm"][name] = {
             "calls": res[0]["comm"][name]["calls"],
@@ -501,9 +492,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--world-sizes", default=None, help="default 2,4 (with --smoke: 2)")
     p.add_argument("--batch", type=int, default=2048, help="global batch")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per plan and round")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per plan (in turns)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=1, help="keep each plan's fastest round")
     p.add_argument("--cores", type=int, default=os.cpu_count() or 2)
     p.add_argument(
         "--torchrec",
@@ -525,7 +515,6 @@ def main(argv: list[str] | None = None) -> int:
         batch=64 if args.smoke else args.batch,
         warmup=1 if args.smoke else args.warmup,
         steps=2 if args.smoke else args.steps,
-        rounds=1 if args.smoke else args.rounds,
         cores=args.cores,
         smoke=args.smoke,
     )
@@ -558,6 +547,8 @@ def main(argv: list[str] | None = None) -> int:
             slowest = max(rep.ranks, key=lambda r: r.step_s)
             rows.append(
                 {
+                    "impl": "tetrarec",
+                    "kernels": measured["kernels"]["kernels"],
                     "world_size": world,
                     "plan": name,
                     "types": ",".join(sorted({t.sharding.value for t in p})),

@@ -22,9 +22,10 @@ TOP_KEYS = {
 }  # fmt: skip
 RANK_KEYS = {
     "device_memory", "host_memory", "ssd", "device_bandwidth", "host_bandwidth",
-    "ssd_bandwidth", "matmul_flops",
+    "ssd_bandwidth", "matmul_flops", "lookup_ids_per_s",
 }  # fmt: skip
-MEASURED = ("host_memory", "ssd", "host_bandwidth", "ssd_bandwidth", "matmul_flops")
+MEASURED = ("host_memory", "ssd", "host_bandwidth", "ssd_bandwidth", "matmul_flops",
+            "lookup_ids_per_s")  # fmt: skip
 
 
 @pytest.mark.timeout(300)
@@ -57,8 +58,13 @@ def test_calibrate_writes_a_topology_of_measured_figures(tmp_path: Path) -> None
     def row(what: str, impl: str | None = None) -> float:
         return next(r["value"] for r in rows if r["what"] == what and impl in (None, r["impl"]))
 
-    assert topo["collective_latency_s"] == pytest.approx(row("all_to_all latency W=2"), 1e-5)
+    # per-rank rates come from the ranks measured at once
+    stage = row("per-rank collective_latency_s")
+    assert topo["collective_latency_s"] == pytest.approx(stage, 1e-5)
+    assert stage > row("all_to_all latency W=2")  # a stage is more than a bare collective
     assert topo["intra_node_bandwidth"] == pytest.approx(row("all_to_all bandwidth W=2"), 1e-5)
-    gather = row("gather", "tetrarec-fused-forward")
-    assert topo["rank"]["host_bandwidth"] == pytest.approx(gather, 1e-5)
+    assert topo["rank"]["host_bandwidth"] == pytest.approx(row("per-rank lookup_bandwidth"), 1e-5)
+    assert topo["rank"]["matmul_flops"] == pytest.approx(row("per-rank matmul_flops"), 1e-5)
+    ids_rate = row("per-rank lookup_ids_per_s")
+    assert topo["rank"]["lookup_ids_per_s"] == pytest.approx(ids_rate, 1e-5)
     assert topo["rank"]["ssd_bandwidth"] == pytest.approx(row("ssd random read"), 1e-5)

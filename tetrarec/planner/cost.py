@@ -23,14 +23,20 @@ plus, on every rank for every sharded (non-DP) table, the requester's buffers
 the ``k`` shards that answer: ``k = 1`` for TW, the blocks for CW, ``W`` for RW, ``L``
 for TWRW, each of width ``c_k``).
 
-**Lookup time of a shard**: forward reads each looked-up row once, backward reads and
-writes it and its optimizer state (the fused update)::
+**Lookup time of a shard**: forward reads each distinct looked-up row once, backward
+reads and writes it and its optimizer state (the fused update); every id also costs the
+kernel's per-id work (sorting, summing gradients) at ``lookup_ids_per_s``::
 
-    lookup_s = (ids_fwd rb(c) + ids_bwd (2 rb(c) + 2 sb(c))) spb_tier
-             + ids rb(c) spb_tier      (CW/TWCW blocks with a row-wise optimizer: the
-                                        blocks' row-gradient shares, computed once more)
+    lookup_s = (u_fwd rb(c) + u_bwd (2 rb(c) + 2 sb(c))) spb_tier
+             + (ids_fwd + ids_bwd) / lookup_ids_per_s
+             + (u_bwd rb(c) spb_tier + ids_bwd / lookup_ids_per_s)
+                   (only CW/TWCW blocks with a row-wise optimizer: the blocks'
+                    row-gradient shares, computed once more)
 
-(``ids_fwd = ids_bwd = ids`` except DP: ``b P`` and ``B P``.)
+``ids_fwd = ids_bwd = ids`` except DP (``b P`` and ``B P``); ``u = distinct(ids)`` rows
+(``TableSpec.distinct``: repeats of a hot row within a step hit the CPU's caches, not
+memory), a row-wise shard's share of them for RW/TWRW. Without ``lookup_ids_per_s`` the
+per-id terms are 0.
     spb_tier = 1 / bw_t                                 (rows in tier t)
              = h / bw_fast + (1 - h) / bw_t             (cached: hit rate h = hot_f)
 
@@ -242,10 +248,17 @@ def shard_cost(
     ids_bwd = ids
     if option.sharding is ShardingType.DATA_PARALLEL:
         ids_bwd = inputs.batch_size * table.pooling  # the global batch's update
-    moved = ids * rb + ids_bwd * (2 * rb + 2 * sb)
+    u_fwd = _distinct(table, option, ids, rows)
+    u_bwd = _distinct(table, option, ids_bwd, rows)
+    moved = u_fwd * rb + u_bwd * (2 * rb + 2 * sb)
+    per_id = ids + ids_bwd
     if option.sharding in _BLOCKS and option.blocks > 1 and table.optimizer in ROWWISE_KINDS:
-        moved += ids * rb  # the row-gradient shares the blocks exchange
-    lookup_s = moved * tier_seconds_per_byte(topo, option, table)
+        moved += u_bwd * rb  # the row-gradient shares the blocks exchange
+        per_id += ids_bwd
+    rate = topo.rank.lookup_ids_per_s
+    lookup_s = moved * tier_seconds_per_byte(topo, option, table) + (
+        per_id / rate if rate > 0 else 0.0
+    )
     if option.sharding is ShardingType.DATA_PARALLEL:
         out = 0.0
         buffers = 0.0
@@ -276,6 +289,14 @@ def shard_cost(
         buffers=buffers,
         fast_rows=fast_rows,
     )
+
+
+def _distinct(table: TableSpec, option: Option, ids: float, rows: int) -> float:
+    """Distinct rows among a shard's ``ids`` (row-wise: its share of the table's)."""
+    if option.sharding in _PARTIAL_SUMS:
+        share = rows / table.rows
+        return table.distinct(ids / share) * share if share > 0 else 0.0
+    return table.distinct(ids)
 
 
 _PARTIAL_SUMS = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)

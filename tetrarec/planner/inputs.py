@@ -19,6 +19,7 @@ costs ``2ab`` per sample forward)::
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,6 +143,25 @@ class TableSpec:
             return fraction
         hot = [s.hot_1pct if fraction <= 0.01 else s.hot_5pct for s in self.stats]
         return sum(h * s.mean_pooling for h, s in zip(hot, self.stats)) / total
+
+    def distinct(self, ids: float) -> float:
+        """Expected distinct rows among ``ids`` lookups of this table.
+
+        The statistics split the rows into the hottest 1%, the next 4% and the rest,
+        with shares ``h1``, ``h5 - h1`` and ``1 - h5`` of the lookups; within a part,
+        lookups are taken as uniform, so a part of ``k`` rows receiving ``m`` of them
+        touches ``k (1 - exp(-m / k))`` rows.
+        """
+        if ids <= 0:
+            return 0.0
+        h1, h5 = self.hot(0.01), self.hot(0.05)
+        parts = ((0.01, h1), (0.04, h5 - h1), (0.95, 1.0 - h5))
+        total = 0.0
+        for frac, share in parts:
+            k = max(frac * self.rows, 1.0)
+            m = ids * max(share, 0.0)
+            total += k * -math.expm1(-m / k)
+        return min(total, ids, float(self.rows))
 
     def row_bytes(self, precision: Precision, cols: int | None = None) -> int:
         """Bytes of one stored row of ``cols`` columns (default: the dim)."""

@@ -16,6 +16,7 @@ All sizes are bytes, bandwidths bytes per second, times seconds::
     host_bandwidth = 10e9
     ssd_bandwidth = 1e9
     matmul_flops = 5e10                # dense matrix rate (FP32)
+    lookup_ids_per_s = 5e7             # optional: per-id lookup work (0: not charged)
 
 A tier with capacity 0 does not exist; on a machine without a device the host memory is
 the fast tier. Presets live in ``presets/*.toml`` (``Topology.preset(name)``).
@@ -50,6 +51,10 @@ TIER_ORDER = (Tier.DEVICE, Tier.HOST, Tier.SSD)
 class RankResources:
     """Capacities and bandwidths of one rank (see the module docstring).
 
+    ``lookup_ids_per_s`` is the rate of the lookup's per-id work apart from moving rows
+    (sorting ids, summing their gradients: ids that repeat a row in a step cost this,
+    not a row read); 0 leaves it out.
+
     Raises:
         ValueError: naming a negative field, or a tier with capacity but no bandwidth.
     """
@@ -61,6 +66,7 @@ class RankResources:
     host_bandwidth: float = 0.0
     ssd_bandwidth: float = 0.0
     matmul_flops: float
+    lookup_ids_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 
 from tetrarec.models.config import DLRMConfig
@@ -47,6 +50,12 @@ TABLE = TableSpec(
 INPUTS = PlannerInputs(tables=(TABLE,), batch_size=8, topology=TOPO)
 
 
+def _u(ids: float, rows: int = 1000, h1: float = 0.3, h5: float = 0.5) -> float:
+    """Distinct rows by hand: the hottest 1%, the next 4% and the rest, uniform inside."""
+    parts = ((0.01 * rows, h1), (0.04 * rows, h5 - h1), (0.95 * rows, 1 - h5))
+    return sum(k * (1 - math.exp(-ids * h / k)) for k, h in parts)
+
+
 def _opt(sharding: ShardingType = ShardingType.TABLE_WISE, **kw: object) -> Option:
     return Option(sharding=sharding, blocks=1, tier=Tier.HOST, precision=Precision.FP32, **kw)  # type: ignore[arg-type]
 
@@ -62,8 +71,8 @@ def test_state_bytes_follow_the_kernels_layout() -> None:
 def test_table_wise_shard_by_hand() -> None:
     """Catches a wrong term in the lookup, traffic or storage formulas."""
     c = shard_cost(INPUTS, TABLE, _opt(), 1000, 4)
-    # ids = B P = 16; a row 16 B, its state 4 B: 16 (3*16 + 2*4) / 1e9
-    assert c.lookup_s == pytest.approx(16 * 56 / 1e9)
+    # ids = B P = 16, of them _u(16) distinct; a row 16 B, its state 4 B
+    assert c.lookup_s == pytest.approx(_u(16) * 56 / 1e9)
     assert c.bytes_out == 8 * 4 * 4  # B c E
     assert c.bytes_in == 16 * 8 + 128  # ids + output gradients
     assert (c.weights, c.state, c.buffers) == (16000, 4000, 16 * 8 + 2 * 128)
@@ -77,7 +86,7 @@ def test_table_wise_shard_by_hand() -> None:
 def test_row_wise_and_cached_shards_by_hand() -> None:
     """Catches RW shards charged for every id, or a cache whose hit rate is ignored."""
     rw = shard_cost(INPUTS, TABLE, _opt(ShardingType.ROW_WISE), 500, 4)
-    assert rw.lookup_s == pytest.approx(8 * 56 / 1e9)  # half the ids
+    assert rw.lookup_s == pytest.approx(_u(16) / 2 * 56 / 1e9)  # half the distinct rows
     assert rw.bytes_out == 8 * 4 * 4  # partial sums of all samples
     cached = Option(
         sharding=ShardingType.TABLE_WISE,
@@ -88,7 +97,7 @@ def test_row_wise_and_cached_shards_by_hand() -> None:
         precision=Precision.FP32,
     )
     c = shard_cost(INPUTS, TABLE, cached, 1000, 4)
-    assert c.lookup_s == pytest.approx(16 * 56 * (0.5 / 1e9 + 0.5 / 1e8))
+    assert c.lookup_s == pytest.approx(_u(16) * 56 * (0.5 / 1e9 + 0.5 / 1e8))
     assert c.cache == 50 * 16
     assert c.memory == (0.0, 50 * 16 + 384, 20000)
 
@@ -125,7 +134,7 @@ def test_data_parallel_prices_the_global_update_and_the_gathers() -> None:
                 precision=Precision.FP32)  # fmt: skip
     c = shard_cost(INPUTS, TABLE, dp, 1000, 4)
     # forward: b P = 8 ids read (16 B); backward: B P = 16 ids read + written (2*16 + 2*4)
-    assert c.lookup_s == pytest.approx((8 * 16 + 16 * 40) / 1e9)
+    assert c.lookup_s == pytest.approx((_u(8) * 16 + _u(16) * 40) / 1e9)
     assert (c.bytes_in, c.bytes_out) == (0.0, 0.0)
     u = uniform_cost(INPUTS, TABLE, dp)
     # each rank gathers the other's b (P I + d E) = 4 (2*8 + 4*4) = 128 bytes
@@ -139,9 +148,31 @@ def test_column_blocks_of_a_rowwise_optimizer_pay_the_state_exchange() -> None:
     cw = Option(sharding=ShardingType.COLUMN_WISE, blocks=2, tier=Tier.HOST,
                 precision=Precision.FP32)  # fmt: skip
     c = shard_cost(INPUTS, TABLE, cw, 1000, 2)
-    # ids B P = 16; a 2-column block row 8 B, its state 4 B: 16 (3*8 + 2*4 + 8) / 1e9
-    assert c.lookup_s == pytest.approx(16 * 40 / 1e9)
+    # ids B P = 16; a 2-column block row 8 B, its state 4 B: (3*8 + 2*4 + 8) per row
+    assert c.lookup_s == pytest.approx(_u(16) * 40 / 1e9)
     assert option_groups(TABLE, cw) == {"block", "block_rowwise_state"}
     assert latency_collectives(option_groups(TABLE, cw)) == 4 + 1 + 1
     sgd = TableSpec(name="s", rows=10, dim=4, features=("s",), optimizer=OptimizerKind.SGD)
     assert option_groups(sgd, cw) == {"block"}
+
+
+def test_distinct_rows_follow_the_skew() -> None:
+    """Catches repeated ids priced as distinct rows (a pooled, skewed table over-priced
+    several times) and a count above the ids or the rows."""
+    uniform = TableSpec(name="u", rows=10**6, dim=4, features=("u",))  # default stats
+    assert uniform.distinct(1000) == pytest.approx(1000, rel=1e-3)
+    assert uniform.distinct(10**8) == pytest.approx(10**6, rel=1e-3)
+    assert TABLE.distinct(16) == pytest.approx(_u(16))
+    skew = AccessStats(mean_pooling=1.0, hot_1pct=0.9, hot_5pct=0.95)
+    hot = TableSpec(name="h", rows=10**6, dim=4, features=("h",), stats=(skew,))
+    assert hot.distinct(10**5) < 0.5 * uniform.distinct(10**5)
+    assert TABLE.distinct(0) == 0.0
+
+
+def test_per_id_work_is_charged_at_the_ranks_rate() -> None:
+    """Catches ``lookup_ids_per_s`` ignored or charged once instead of per pass."""
+    fast = replace(TOPO, rank=replace(TOPO.rank, lookup_ids_per_s=1e6))
+    inputs = replace(INPUTS, topology=fast)
+    base = shard_cost(INPUTS, TABLE, _opt(), 1000, 4).lookup_s
+    # forward and backward each handle the B P = 16 ids
+    assert shard_cost(inputs, TABLE, _opt(), 1000, 4).lookup_s == pytest.approx(base + 32 / 1e6)
