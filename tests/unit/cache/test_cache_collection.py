@@ -305,3 +305,69 @@ def test_static_policy_pins_the_sample_top_rows_and_trains_like_the_oracle(refer
         t = next(t for t in tables if t.name == name)
         for r in range(t.num_embeddings):
             assert torch.equal(w[r], oracle._row(t, r)), (name, r)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.0])
+def test_per_id_weights_split_with_their_ids(fraction):
+    """Weighted bags: outputs, weight gradients and rows equal the uncached collection's.
+
+    Catches: per-id weights not split alongside the ids (a weight applied to another
+    id), or weight gradients not scattered back to their positions.
+    """
+    tables = with_precision("int8", [dataclasses.replace(t, pooling="sum") for t in TABLES])
+    cached = CachedEmbeddingBagCollection(tables, SGD, CacheSpec(fraction=fraction), seed=9)
+    other = tables if fraction == 0.0 else with_precision("fp32", tables)
+    plain = FusedEmbeddingBagCollection(other, SGD, seed=9)
+    if fraction:
+        weights = {f"weights.{k}": v for k, v in cached.table_weights().items()}
+        plain.load_state_dict(weights, strict=False)
+    gen = torch.Generator().manual_seed(0)
+    for s in range(3):
+        bags = random_bags(s, tables)
+        w = {f: [torch.rand(len(b), generator=gen).tolist() for b in v] for f, v in bags.items()}
+        grads = []
+        for module in (cached, plain):
+            sf = SparseFeatures.from_lists(bags, weights=w)
+            psw = sf.weights.clone().requires_grad_(True)
+            sf = dataclasses.replace(sf, weights=psw)
+            out = module(sf).values
+            out.backward(upstream(s, out.shape))
+            grads.append((out.detach(), psw.grad))
+        assert torch.equal(grads[0][0], grads[1][0])
+        assert torch.equal(grads[0][1], grads[1][1])
+    for name, w in plain.table_weights().items():
+        assert torch.equal(cached.table_weights()[name], w), name
+
+
+def test_per_id_weights_with_some_rows_cached_follow_their_ids():
+    """Mixed bags (some ids cached, some not): each weight scales its own id's row, and
+    its gradient is the output gradient dotted with that row.
+
+    Catches: weights or weight gradients of one part placed at another part's positions.
+    """
+    tables = with_precision("int8", [dataclasses.replace(t, pooling="sum") for t in TABLES])
+    module = CachedEmbeddingBagCollection(tables, SGD, CacheSpec(fraction=0.3), seed=9)
+    gen = torch.Generator().manual_seed(0)
+    for s in range(3):
+        bags = random_bags(s, tables)
+        w = {f: [torch.rand(len(b), generator=gen).tolist() for b in v] for f, v in bags.items()}
+        sf = SparseFeatures.from_lists(bags, weights=w)
+        psw = sf.weights.clone().requires_grad_(True)
+        out = module(dataclasses.replace(sf, weights=psw)).values
+        rows = module.table_weights()  # the rows this forward read (admissions done)
+        grad = upstream(s, out.shape)
+        out.backward(grad)
+        want_out, want_grad, col, pos = torch.zeros_like(out), [], 0, 0
+        for t in tables:
+            for f in t.feature_names:
+                for b, bag in enumerate(bags[f]):
+                    for r in bag:
+                        row = rows[t.name][r]
+                        want_out[b, col : col + t.dim] += psw[pos].detach() * row
+                        want_grad.append((grad[b, col : col + t.dim] * row).sum())
+                        pos += 1
+                col += t.dim
+        torch.testing.assert_close(out.detach(), want_out, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(psw.grad, torch.stack(want_grad), rtol=1e-5, atol=1e-6)
+    stats = module.cache_stats()
+    assert all(0 < s.hits < s.lookups for s in stats.values())  # really mixed
