@@ -762,15 +762,16 @@ class CachedEmbeddingBagCollection(nn.Module):
                 keep = pinned[pinned >= 0]
                 self._fill(i, keep, torch.arange(keep.numel()))
             return
-        if slot_rows.shape != fresh.slot_rows.shape:
-            raise ValueError(
-                f"table {self.tables[i].name!r}: the checkpoint's cache has "
-                f"{slot_rows.numel()} slots, this one {fresh.capacity}"
-            )
         for name in ("slot_rows", "dirty", "last_used", "freq"):
-            value = saved[name]
-            assert value is not None  # saved together with slot_rows
-            getattr(fresh, name).copy_(value)
+            value, dst = saved[name], getattr(fresh, name)
+            if value is None or value.shape != dst.shape:
+                got = None if value is None else tuple(value.shape)
+                raise ValueError(
+                    f"table {self.tables[i].name!r}: the checkpoint's cache.{name} is {got}, "
+                    f"this cache ({fresh.capacity} slots, policy {c.policy.value!r}) "
+                    f"needs {tuple(dst.shape)}"
+                )
+            dst.copy_(value)
         counters = saved["counters"]
         assert counters is not None
         fresh.counters = [int(x) for x in counters.tolist()]

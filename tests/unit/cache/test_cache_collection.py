@@ -371,3 +371,40 @@ def test_per_id_weights_with_some_rows_cached_follow_their_ids():
         torch.testing.assert_close(psw.grad, torch.stack(want_grad), rtol=1e-5, atol=1e-6)
     stats = module.cache_stats()
     assert all(0 < s.hits < s.lookups for s in stats.values())  # really mixed
+
+
+def test_loading_a_cache_of_another_size_or_policy_names_the_mismatch():
+    """Catches: a checkpoint of another cache size copied into the wrong slots."""
+    small = CachedEmbeddingBagCollection(TABLES, SGD, CacheSpec(fraction=0.25), seed=0)
+    train(small, 1)
+    saved = small.state_dict()
+    big = CachedEmbeddingBagCollection(TABLES, SGD, CacheSpec(fraction=0.5), seed=0)
+    with pytest.raises(ValueError, match=r"cache.slot_rows is \(6,\).*needs \(12,\)"):
+        big.load_state_dict(saved)
+    lfu = CachedEmbeddingBagCollection(TABLES, SGD, CacheSpec(policy="lfu", fraction=0.25))
+    with pytest.raises(ValueError, match=r"cache.freq is \(0,\).*policy 'lfu'"):
+        lfu.load_state_dict(saved)
+
+
+def test_deterministic_across_runs_and_thread_counts():
+    """Same inputs: bitwise the same outputs, rows, state and counters, 1 or 2 threads.
+
+    Catches: an order that depends on hashing or threads (unique, sorts, index_add).
+    """
+    tables = with_precision("int4")
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            module = CachedEmbeddingBagCollection(
+                tables, ADAM, CacheSpec(policy="lfu", fraction=0.25), seed=7
+            )
+            outs = train(module, 4)
+            results.append((outs, module.state_dict(), module.cache_stats()))
+    finally:
+        torch.set_num_threads(threads)
+    (a_out, a_sd, a_st), (b_out, b_sd, b_st) = results
+    assert all(torch.equal(x, y) for x, y in zip(a_out, b_out))
+    assert all(torch.equal(v, b_sd[k]) for k, v in a_sd.items())
+    assert a_st == b_st
