@@ -516,11 +516,13 @@ class CachedEmbeddingBagCollection(nn.Module):
             dest[seg] = torch.where(hit, _CACHE, home).to(torch.int8)
             local[seg] = torch.where(hit, slot, ids)
         nf = len(self.feature_names)
-        bag = torch.repeat_interleave(torch.arange(nf * batch), lengths)  # (N,) bag of id
+        ends = torch.cumsum(lengths, 0)  # (F*B,) one past each bag's last id
         values, part_lengths, masks = [], [], []
         for part in self._parts:
             mask = dest == part.kind
-            counts = torch.bincount(bag[mask], minlength=nf * batch).view(nf, batch)
+            # ids of this part per bag: differences of the mask's running count
+            taken = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(mask, 0)])
+            counts = torch.diff(taken[ends], prepend=taken[:1]).view(nf, batch)
             values.append(local[mask])
             part_lengths.append(counts[part.features].reshape(-1))
             masks.append(mask)
