@@ -37,7 +37,8 @@ class CacheSpec:
         fraction: slots per cached table as a fraction of its rows, in [0, 1].
         bytes: or a budget in bytes for the slots of all cached tables together.
         directory: where the ``ssd`` placement puts its memory-mapped files (default:
-            the system's temporary directory).
+            the system's temporary directory, which is often a RAM-backed tmpfs: point
+            it at the SSD).
 
     Raises:
         ValueError: if both or neither of ``fraction`` and ``bytes`` are given, or

@@ -408,3 +408,22 @@ def test_deterministic_across_runs_and_thread_counts():
     assert all(torch.equal(x, y) for x, y in zip(a_out, b_out))
     assert all(torch.equal(v, b_sd[k]) for k, v in a_sd.items())
     assert a_st == b_st
+
+
+def test_memory_counts_each_tier():
+    """Bytes by tier: INT8 backing rows, FP32 slots, FP32 state of rows and slots.
+
+    Catches: optimizer state of the cache left out of the count, or the cache counted
+    at the backing precision.
+    """
+    tables = with_precision("int8")
+    module = CachedEmbeddingBagCollection(tables, ADAGRAD, CacheSpec(fraction=0.25), seed=0)
+    mem = module.memory()
+    rows = {t.name: t.num_embeddings for t in tables}
+    slots = {t.name: t.num_embeddings // 4 for t in tables}
+    assert mem.backing_ram == sum(rows[t.name] * Precision.INT8.row_bytes(t.dim) for t in tables)
+    assert mem.cache_rows == sum(slots[t.name] * t.dim * 4 for t in tables)
+    assert mem.backing_state_ram == 4 * sum(rows.values())  # row-wise Adagrad: 1 per row
+    assert mem.cache_state == 4 * sum(slots.values())
+    assert mem.weight_bytes == mem.backing_ram + mem.cache_rows
+    assert mem.backing_ssd == mem.backing_state_ssd == 0
