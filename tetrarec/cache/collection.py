@@ -31,6 +31,10 @@ A training batch flows as::
        every part's ``tbe_backward_update``: cached rows train in FP32 in their slots,
        uncached rows in their stored precision; the cached rows become dirty
 
+Host syncs: the policy step decides on the host (``torch.unique``, counts, the bounds
+check), so a training forward syncs once per cached table; on CPU that costs nothing,
+on a device it is what part 2's device cache must batch.
+
 Optimizer state follows the row: the slot's state is live while the row is cached, the
 backing state otherwise (``CacheMemory`` counts both). A row is in exactly one part
 during a batch, so each row gets exactly one update per step. Deterministic: the
@@ -53,7 +57,6 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import tempfile
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -63,6 +66,7 @@ import torch
 from torch import nn
 
 from tetrarec.cache.config import CacheSpec
+from tetrarec.cache.files import map_to_files
 from tetrarec.cache.policy import CachePolicy, hot_rows, plan_admission
 from tetrarec.cache.stats import CacheMemory, CacheStats
 from tetrarec.embedding import (
@@ -262,7 +266,9 @@ class CachedEmbeddingBagCollection(nn.Module):
                 tables, self.optimizer_spec, device=device, **fused
             )
             if kind == _SSD:
-                self._map_files(module)
+                # scratch space, deleted with this module (a checkpoint holds the rows)
+                self._ssd_dir = map_to_files(module, self.optimizer_spec, self.cache_spec.directory)
+                weakref.finalize(self, shutil.rmtree, self._ssd_dir, True)
             self._parts.append(self._part(kind, module, members))
 
     def _part(self, kind: int, module: FusedEmbeddingBagCollection, members: list[int]) -> _Part:
@@ -281,31 +287,6 @@ class CachedEmbeddingBagCollection(nn.Module):
             features=torch.tensor(feats, dtype=torch.int64),
             columns=torch.tensor(cols, dtype=torch.int64),
         )
-
-    def _map_files(self, module: FusedEmbeddingBagCollection) -> None:
-        """Give the (meta) module's flat storages file-backed memory maps, then init rows.
-
-        The files are scratch space: deleted with the module (a checkpoint holds the
-        rows). Their pages are the kernel's page cache, not process memory, so the
-        rows need not fit in the RAM given to the process.
-        """
-        root = Path(self.cache_spec.directory or tempfile.gettempdir())
-        root.mkdir(parents=True, exist_ok=True)
-        self._ssd_dir = Path(tempfile.mkdtemp(prefix="tetrarec-ssd-", dir=root))
-        weakref.finalize(self, shutil.rmtree, self._ssd_dir, True)
-        for s, store in enumerate(module._stores):
-            path = self._ssd_dir / f"rows-{s}-{store.precision.value}.bin"
-            w = torch.from_file(
-                str(path), shared=True, size=store.numel, dtype=store.precision.torch_dtype
-            )
-            setattr(module, f"_weights_{s}", w)
-            for k, n in enumerate(store.state_numel):
-                name = store.state_names[k]
-                path = self._ssd_dir / f"state-{s}-{name}.bin"
-                st = torch.from_file(str(path), shared=True, size=n, dtype=torch.float32)
-                st.fill_(self.optimizer_spec.initial_accumulator if name == "sum" else 0.0)
-                setattr(module, f"_state_{s}_{k}", st)
-        module._init_weights()
 
     def _pin_static(self, counts: Mapping[str, torch.Tensor] | None) -> None:
         for i, c in self._caches.items():
