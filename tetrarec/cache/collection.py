@@ -459,16 +459,24 @@ class CachedEmbeddingBagCollection(nn.Module):
         )
         return PooledEmbeddings(self.feature_names, self.feature_dims, out)
 
-    def _check_ids(self, f: int, t: TableConfig, ids: torch.Tensor) -> None:
+    def _check_ids(
+        self, t: TableConfig, ids: torch.Tensor, features: range, starts: list[int]
+    ) -> None:
+        """Raise for an id of table ``t`` outside it, naming the feature (one check per table)."""
         if not self.check_bounds or not ids.numel():
             return
         lo, hi = (int(x) for x in torch.aminmax(ids))
-        if lo < 0 or hi >= t.num_embeddings:
-            raise ValueError(
-                f"feature {self.feature_names[f]!r}: id {lo if lo < 0 else hi} is outside "
-                f"its table {t.name!r} of {t.num_embeddings} rows "
-                f"(valid ids are 0..{t.num_embeddings - 1})"
-            )
+        if lo >= 0 and hi < t.num_embeddings:
+            return
+        bad = lo if lo < 0 else hi
+        first = starts[features[0]]  # ids holds the table's features back to back
+        f = next(
+            g for g in features if (ids[starts[g] - first : starts[g + 1] - first] == bad).any()
+        )
+        raise ValueError(
+            f"feature {self.feature_names[f]!r}: id {bad} is outside its table {t.name!r} "
+            f"of {t.num_embeddings} rows (valid ids are 0..{t.num_embeddings - 1})"
+        )
 
     def _route(self, features: SparseFeatures, *, admit: bool) -> _Route:
         batch, lengths = features.batch_size, features.lengths.long()
@@ -486,9 +494,8 @@ class CachedEmbeddingBagCollection(nn.Module):
             dest[seg] = home
             if i not in self._caches:
                 continue
-            for g in range(f0, f):
-                self._check_ids(g, t, local[starts[g] : starts[g + 1]])
             ids = local[seg]
+            self._check_ids(t, ids, range(f0, f), starts)
             if admit:
                 rows, slots = self._admit(i, ids)
                 touched.append((i, rows, slots.to(torch.int32)))
