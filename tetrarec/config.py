@@ -59,10 +59,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from tetrarec.cache import CachePolicy, CacheSpec
 from tetrarec.data.config import DataConfig
 from tetrarec.embedding import SparseOptimizerSpec
 from tetrarec.models import DLRMConfig
-from tetrarec.types import PoolingMode, Precision, ShardingType
+from tetrarec.types import Placement, PoolingMode, Precision, ShardingType
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -70,6 +71,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_STEPS",
     "BestMetric",
+    "CacheConfig",
     "DecayKind",
     "DenseOptimizerKind",
     "EmbeddingKind",
@@ -106,6 +108,45 @@ class DecayKind(enum.Enum):
     COSINE = "cosine"
 
 
+_CPU_PLACEMENTS = (Placement.HOST, Placement.CACHED, Placement.SSD)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """``[model.cache]``: the FP32 caches of the tables placed ``cached`` or ``ssd``.
+
+    Args:
+        policy: ``lru`` or ``lfu`` (``static`` needs a data sample: build
+            ``tetrarec.cache.CachedEmbeddingBagCollection`` with ``count_ids``).
+        fraction: slots per cached table as a fraction of its rows.
+        bytes: or a budget for the slots (FP32 row + optimizer state) of all cached
+            tables together.
+        dir: where ``ssd`` tables put their memory-mapped files (default: the system's
+            temporary directory).
+    """
+
+    policy: CachePolicy = CachePolicy.LRU
+    fraction: float | None = None
+    bytes: int | None = None
+    dir: str | None = None
+
+    def spec(self) -> CacheSpec:
+        """The library's ``CacheSpec`` of this section.
+
+        Raises:
+            ValueError: for ``static``, or unless exactly one of ``fraction`` and
+                ``bytes`` is set, in range.
+        """
+        if self.policy is CachePolicy.STATIC:
+            raise ValueError(
+                "cache.policy = 'static' needs a data sample, which a run config "
+                "does not give; valid here: lru, lfu"
+            )
+        return CacheSpec(
+            policy=self.policy, fraction=self.fraction, bytes=self.bytes, directory=self.dir
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """The embedding tables and the network.
@@ -116,6 +157,12 @@ class ModelConfig:
         embedding: which embedding module to build.
         precision: row storage of the tables (the reference module takes FP32 only).
         pooling: how a bag's embeddings combine.
+        placement: where each table's rows live, one value for all or one per table:
+            ``host`` (in memory, no cache), ``cached`` (an FP32 cache of hot rows in
+            front of the rows in ``precision``) or ``ssd`` (the same, the rows in a
+            memory-mapped file); ``cached`` and ``ssd`` need ``embedding = "fused"``
+            and a size in ``[model.cache]``.
+        cache: the caches' policy and size (``CacheConfig``).
         dlrm: the network (bottom MLP, interaction, top MLP). Its bottom MLP's last
             size is the dim of every table (``embedding_dim``), stated once.
 
@@ -128,6 +175,8 @@ class ModelConfig:
     embedding: EmbeddingKind = EmbeddingKind.FUSED
     precision: Precision = Precision.FP32
     pooling: PoolingMode = PoolingMode.SUM
+    placement: Placement | tuple[Placement, ...] = Placement.HOST
+    cache: CacheConfig = field(default_factory=CacheConfig)
     dlrm: DLRMConfig = field(default_factory=DLRMConfig)
 
     def __post_init__(self) -> None:
@@ -139,6 +188,44 @@ class ModelConfig:
                 f"model.num_embeddings must be a positive int or {self.num_sparse} positive "
                 f"ints (one per table), got {self.num_embeddings}"
             )
+        self._check_placement()
+
+    def _check_placement(self) -> None:
+        placements = self.table_placements
+        valid = ", ".join(p.value for p in _CPU_PLACEMENTS)
+        if len(placements) != self.num_sparse:
+            raise ValueError(
+                f"model.placement must be one placement or {self.num_sparse} (one per "
+                f"table), got {len(placements)}; valid: {valid}"
+            )
+        bad = sorted({p.value for p in placements if p not in _CPU_PLACEMENTS})
+        if bad:
+            raise ValueError(
+                f"model.placement {bad[0]!r} is not available on CPU (the device cache "
+                f"needs a GPU); valid: {valid}"
+            )
+        if any(p is not Placement.HOST for p in placements):
+            if self.embedding is not EmbeddingKind.FUSED:
+                raise ValueError(
+                    "model.placement 'cached' and 'ssd' need model.embedding = 'fused' "
+                    f"(it is {self.embedding.value!r})"
+                )
+            try:
+                self.cache.spec()
+            except ValueError as e:
+                raise ValueError(f"model.{e}") from None
+
+    @property
+    def table_placements(self) -> tuple[Placement, ...]:
+        """Placement of each table."""
+        if isinstance(self.placement, Placement):
+            return (self.placement,) * self.num_sparse
+        return tuple(self.placement)
+
+    @property
+    def cached(self) -> bool:
+        """Whether any table is cached (placement ``cached`` or ``ssd``)."""
+        return any(p is not Placement.HOST for p in self.table_placements)
 
     @property
     def embedding_dim(self) -> int:

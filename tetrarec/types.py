@@ -175,3 +175,4 @@ class Placement(NamedEnum):
     DEVICE = "device"
     HOST = "host"
     CACHED = "cached"
+    SSD = "ssd"  # cached, the backing rows in a memory-mapped file (tetrarec.cache)

@@ -2,6 +2,7 @@ from pathlib import Path
 
 import pytest
 
+from tetrarec.cache import CachePolicy
 from tetrarec.config import (
     DEFAULT_STEPS,
     BestMetric,
@@ -11,7 +12,7 @@ from tetrarec.config import (
     RunConfig,
     TrainConfig,
 )
-from tetrarec.types import OptimizerKind, ShardingType
+from tetrarec.types import OptimizerKind, Placement, ShardingType
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
 
@@ -265,3 +266,56 @@ def test_train_quality_settings_are_checked(overrides: list[str], match: str) ->
         ["train.keep_best=auc", "train.eval_every=5", "train.early_stop_patience=2"]
     )
     assert ok.train.early_stop_patience == 2
+
+
+def test_model_cache_section_and_per_table_placement(tmp_path: Path) -> None:
+    """``[model.cache]`` and ``model.placement`` load, round-trip and build the spec.
+
+    Catches: a per-table placement list not read, or ``dir`` not reaching the spec.
+    """
+    path = tmp_path / "run.toml"
+    path.write_text(
+        "[model]\nnum_sparse = 3\nnum_embeddings = 10\nprecision = 'int8'\n"
+        "placement = ['cached', 'host', 'ssd']\n"
+        "[model.cache]\npolicy = 'lfu'\nbytes = 4096\ndir = 'ssd-files'\n"
+    )
+    c = RunConfig.from_toml(path)
+    assert c.model.table_placements == (Placement.CACHED, Placement.HOST, Placement.SSD)
+    assert c.model.cached
+    spec = c.model.cache.spec()
+    assert (spec.policy, spec.bytes, spec.directory) == (CachePolicy.LFU, 4096, "ssd-files")
+    assert RunConfig.from_dict(c.to_dict()) == c
+    assert not RunConfig().model.cached  # default: host, no cache section needed
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["model.placement=cached"], "model.cache: give exactly one of fraction"),
+        (
+            ["model.placement=cached", "model.cache.fraction=0.1", "model.cache.bytes=10"],
+            "model.cache: give exactly one of fraction",
+        ),
+        (["model.placement=cached", "model.cache.fraction=2"], r"model.cache.fraction .*\[0, 1\]"),
+        (["model.placement=device"], "'device' is not available on CPU.*valid: host, cached, ssd"),
+        (["model.placement=disk"], "'disk' is not one of device, host, cached, ssd"),
+        (
+            ["model.num_sparse=2", "model.num_embeddings=5", "model.placement=[host]"],
+            "model.placement must be one placement or 2",
+        ),
+        (
+            ["model.placement=cached", "model.cache.fraction=0.1", "model.embedding=reference"],
+            "need model.embedding = 'fused'",
+        ),
+        (
+            ["model.placement=ssd", "model.cache.fraction=0.1", "model.cache.policy=static"],
+            "model.cache.policy = 'static' needs a data sample.*valid here: lru, lfu",
+        ),
+        (["model.cache.policy=mru"], "'mru' is not one of lru, lfu, static"),
+    ],
+)
+def test_model_cache_errors_name_the_field(overrides: list[str], match: str) -> None:
+    """Catches: a cached placement without a cache size, or errors that do not say which
+    key is wrong and what is valid."""
+    with pytest.raises(ValueError, match=match):
+        RunConfig().with_overrides(overrides)

@@ -78,8 +78,24 @@ EMBEDDINGS: dict[
 
 
 def build_embeddings(config: RunConfig, tables: tuple[TableConfig, ...]) -> nn.Module:
-    """The embedding module ``config.model.embedding`` names, seeded by ``train.seed``."""
-    return EMBEDDINGS[config.model.embedding](tables, config.optim.sparse, config.train.seed)
+    """The embedding module ``config.model.embedding`` names, seeded by ``train.seed``.
+
+    Where a table's ``model.placement`` is ``cached`` or ``ssd``, the fused collection
+    is a ``tetrarec.cache.CachedEmbeddingBagCollection`` (``[model.cache]``).
+    """
+    model = config.model
+    if model.cached:  # ModelConfig has checked that the embedding is fused
+        from tetrarec.cache import CachedEmbeddingBagCollection
+
+        placements = {t.name: p for t, p in zip(tables, model.table_placements)}
+        return CachedEmbeddingBagCollection(
+            tables,
+            config.optim.sparse,
+            model.cache.spec(),
+            placements=placements,
+            seed=config.train.seed,
+        )
+    return EMBEDDINGS[model.embedding](tables, config.optim.sparse, config.train.seed)
 
 
 # The embedding module is an nn.Module attribute of the model, so its static type says
@@ -193,6 +209,11 @@ def build_parts(config: RunConfig, *, num_dense: int, describe_only: bool = Fals
         )
     torch.manual_seed(config.train.seed)  # the dense layers draw from the global RNG
     if describe_only:
+        if config.model.cached:
+            raise ValueError(
+                "model.placement 'cached' and 'ssd' run in one process for now; sharded "
+                "training needs model.placement = 'host'"
+            )
         if config.model.embedding is not EmbeddingKind.FUSED:
             raise ValueError(
                 f"sharded training needs model.embedding = 'fused' (it is "

@@ -26,6 +26,7 @@ rows (``TrainConfig.resolve_steps``), resolved once the training data is built.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F  # torch's convention
 from tqdm import tqdm
 
+from tetrarec.cache import CacheStats
 from tetrarec.comm import LaunchInfo, destroy, is_joined
 from tetrarec.config import RunConfig, TrainConfig
 from tetrarec.data import BatchLoader
@@ -258,6 +260,7 @@ class _Run:
         self.best = BestEval(metric=tc.keep_best) if tc.keep_best is not None else None
         self.best_path: Path | None = None
         self.stopped_early = False
+        self.cache_seen: CacheStats | None = None  # cache counters at the last log
         self.loader: BatchLoader | None = None
         self.owns_group = False  # set by train()
         self.writer = _summary_writer(config.train) if self.rank == 0 else None  # last
@@ -310,6 +313,7 @@ class _Run:
 
     def run(self) -> TrainResult:
         tc, dc = self.config.train, self.config.data
+        self.cache_seen = self._cache_total()  # counters restored by a resume excluded
         self.loader = BatchLoader(
             self.train_ds,
             batch_size=dc.batch_size,
@@ -405,8 +409,24 @@ class _Run:
                 "train/lr_scale", lr_scale(self.step - 1, self.config.optim), self.step
             )
         if tc.log_every and self.step % tc.log_every == 0 and self.rank == 0:
-            bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-            logger.info("step %d/%d loss %.5f", self.step, self.total_steps, loss)
+            cache = self._cache_interval()
+            if cache is None:
+                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                logger.info("step %d/%d loss %.5f", self.step, self.total_steps, loss)
+            else:
+                bar.set_postfix(loss=f"{loss:.4f}", hit=f"{cache.hit_rate:.3f}", refresh=False)
+                logger.info(
+                    "step %d/%d loss %.5f cache hit rate %.4f evictions %d write-backs %d",
+                    self.step,
+                    self.total_steps,
+                    loss,
+                    cache.hit_rate,
+                    cache.evictions,
+                    cache.write_backs,
+                )
+                if self.writer is not None:
+                    self.writer.add_scalar("cache/hit_rate", cache.hit_rate, self.step)
+                    self.writer.add_scalar("cache/evictions", cache.evictions, self.step)
         # The last step's evaluation and checkpoint are the run's final ones (run()).
         if self.step >= self.total_steps:
             return
@@ -421,6 +441,25 @@ class _Run:
             and not self._saved_now()  # a new best was just checkpointed here
         ):
             self._checkpoint()
+
+    def _cache_total(self) -> CacheStats | None:
+        """All cached tables' counters summed, or ``None`` without a cached collection."""
+        stats = getattr(self.parts.model.get_submodule("embeddings"), "cache_stats", None)
+        return CacheStats.total(stats().values()) if callable(stats) else None
+
+    def _cache_interval(self) -> CacheStats | None:
+        """The cache counters since the last log (hit rate of this interval)."""
+        now, before = self._cache_total(), self.cache_seen
+        if now is None or before is None:
+            return now
+        self.cache_seen = now
+        return dataclasses.replace(
+            now,
+            hits=now.hits - before.hits,
+            misses=now.misses - before.misses,
+            evictions=now.evictions - before.evictions,
+            write_backs=now.write_backs - before.write_backs,
+        )
 
     def _evaluate(self) -> None:
         if self.eval_ds is None or self.eval_ds.num_samples == 0:

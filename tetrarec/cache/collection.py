@@ -1,0 +1,792 @@
+"""``CachedEmbeddingBagCollection``: FP32 caches of hot rows in front of low-precision tables.
+
+The mixed-precision-embedding recipe: most rows are stored and trained in the table's
+``precision`` (FP16, BF16, INT8, INT4); a few hot rows are copied into an FP32 cache,
+where they are looked up and trained in FP32. The same protocol as
+``FusedEmbeddingBagCollection`` (forward, ``fused_optimizer``, state dicts keyed by table
+and row, the same initial rows for the same seed), built from unchanged fused
+collections::
+
+    part "cache"   FusedEmbeddingBagCollection, FP32, table t has C_t rows = slots
+                   (+ the slots' optimizer state: the live state of cached rows)
+    part "ram"     FusedEmbeddingBagCollection of the host and cached tables, each in
+                   its precision (+ FP32 state of every row), in process memory
+    part "ssd"     the same for ssd tables, its flat storages memory-mapped files
+
+Where a table's rows live (``Placement``): ``host`` = all in "ram", no cache (exactly
+``FusedEmbeddingBagCollection``); ``cached`` = cache + "ram"; ``ssd`` = cache + "ssd".
+
+A training batch flows as::
+
+    1. per cached table: unique ids; hits and misses counted; the policy
+       (``policy.py``) admits misses, evicting idle victims: a victim updated since its
+       admission is written back (FP32 -> stored precision, stochastic rounding drawn
+       as the kernel would for that row at this iteration; state copied back); an
+       admitted row is decoded into its slot with its state
+    2. each id goes to one part: its slot in "cache" (hit) or its row in its backing
+       part; the bags keep their boundaries (a part's bag holds its share of the ids)
+    3. each part pools its ids (``tbe_forward``; every part pools as sum); the outputs
+       add up column by column; mean-pooled columns are divided by the whole bag length
+    4. backward: the output gradient (mean columns divided by the bag length) goes to
+       every part's ``tbe_backward_update``: cached rows train in FP32 in their slots,
+       uncached rows in their stored precision; the cached rows become dirty
+
+Host syncs: the policy step decides on the host (``torch.unique``, counts, the bounds
+check), so a training forward syncs once per cached table; on CPU that costs nothing,
+on a device it is what part 2's device cache must batch.
+
+Optimizer state follows the row: the slot's state is live while the row is cached, the
+backing state otherwise (``CacheMemory`` counts both). A row is in exactly one part
+during a batch, so each row gets exactly one update per step. Deterministic: the
+policy's ties are broken by row id, the kernels are deterministic, and write-back
+rounding is a function of ``(seed, iteration, row, column)``.
+
+Checkpoints: ``state_dict()`` and ``fused_optimizer.state_dict()`` first ``flush()``:
+dirty cached rows are written back (rounded copies) and cached state copied back, so
+``weights.<table>`` is the complete table in its stored precision, in exactly the
+layout ``FusedEmbeddingBagCollection`` saves. Flushing does not change training: the
+FP32 rows stay cached and dirty (eviction rewrites them from FP32 at its own
+iteration), and a backing copy of a cached row is never read while it is cached. The
+state dict also holds ``cache.<table>.*`` (the slot map, the FP32 cached rows, dirty
+flags, policy state and counters), so a resumed run equals an uninterrupted one
+bitwise; without them (a checkpoint of an uncached collection) the caches start empty
+(``static``: reloaded with their pinned rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import weakref
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tetrarec.cache.config import CacheSpec
+from tetrarec.cache.files import map_to_files
+from tetrarec.cache.policy import CachePolicy, hot_rows, plan_admission
+from tetrarec.cache.stats import CacheMemory, CacheStats
+from tetrarec.embedding import (
+    SparseOptimizerSpec,
+    TableConfig,
+    draw_seed,
+    feature_order,
+)
+from tetrarec.kernels import FusedEmbeddingBagCollection, FusedOptimizer
+from tetrarec.kernels.quant import decode_rows, encode_rows
+from tetrarec.kernels.reference import rounding_noise
+from tetrarec.sparse import PooledEmbeddings, SparseFeatures, permute_keys
+from tetrarec.types import Placement, PoolingMode, Precision
+
+__all__ = ["CachedEmbeddingBagCollection"]
+
+_CACHE, _RAM, _SSD = 0, 1, 2
+_PLACEMENTS = (Placement.HOST, Placement.CACHED, Placement.SSD)
+
+
+class _TableCache:
+    """One table's slot maps and policy state (plain tensors; the rows live in a part)."""
+
+    def __init__(self, capacity: int, rows: int, policy: CachePolicy) -> None:
+        self.capacity = capacity
+        self.policy = policy
+        self.slot_rows = torch.full((capacity,), -1, dtype=torch.int64)  # row per slot
+        self.row_slot = torch.full((rows,), -1, dtype=torch.int32)  # slot per row
+        self.last_used = torch.zeros(capacity, dtype=torch.int64)  # LRU: batch number
+        self.dirty = torch.zeros(capacity, dtype=torch.bool)  # updated since admission
+        lfu = policy is CachePolicy.LFU
+        self.freq = torch.zeros(rows if lfu else 0, dtype=torch.int64)  # LFU: lookups
+        self.counters = [0, 0, 0, 0, 0]  # clock, hits, misses, evictions, write_backs
+
+    def metadata_bytes(self) -> int:
+        tensors = (self.slot_rows, self.row_slot, self.last_used, self.dirty, self.freq)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclasses.dataclass
+class _Part:
+    """One fused collection inside the cached one, and where its columns go."""
+
+    kind: int
+    module: FusedEmbeddingBagCollection
+    features: torch.Tensor  # (F_p,) indices of its features in the full feature order
+    columns: torch.Tensor  # (sum D_p,) its output columns in the full output
+
+
+@dataclasses.dataclass
+class _Route:
+    """One batch, split over the parts (built by ``_route``)."""
+
+    batch: int
+    values: list[torch.Tensor]  # per part: its local ids (slots or rows)
+    lengths: list[torch.Tensor]  # per part: (F_p * B,)
+    masks: list[torch.Tensor]  # per part: (N,) bool, which ids of the batch it takes
+    divisor: torch.Tensor | None  # (B, sum D): bag lengths on mean columns, else 1
+    touched: list[tuple[int, torch.Tensor, torch.Tensor]]  # (table, rows, their slots)
+
+
+class _CachedLookup(torch.autograd.Function):
+    """Forward: every part's pooled lookup, summed. Backward: every part's fused update."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        module: CachedEmbeddingBagCollection,
+        route: _Route,
+        psw: torch.Tensor | None,
+        anchor: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx.module, ctx.route = module, route
+        ctx.save_for_backward(psw)
+        return module.pooled_lookup(route, psw)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (psw,) = ctx.saved_tensors
+        want_psw = psw is not None and ctx.needs_input_grad[2]
+        psw_grad = ctx.module.apply_gradients(grad_out, ctx.route, psw, want_psw=want_psw)
+        return None, None, psw_grad, None
+
+
+class CachedEmbeddingBagCollection(nn.Module):
+    """Embedding bags whose hot rows are cached and trained in FP32 (module docstring).
+
+    Args:
+        tables: the tables; ``precision`` is the backing store's.
+        optimizer: the fused rule, applied to cached rows in FP32 and to the others in
+            their stored precision.
+        cache: policy, size and SSD directory.
+        placements: ``{table name: placement}`` (``host``, ``cached`` or ``ssd``);
+            tables not named are ``cached``.
+        static_counts: ``{table name: (rows,) counts}`` from a data sample
+            (``count_ids``); required by the ``static`` policy for every cached table.
+        check_bounds: raise ``ValueError`` for an id outside its table.
+        deterministic: passed to the fused parts.
+        stochastic_rounding: round updates and write-backs of low-precision rows
+            stochastically.
+        seed: initial rows and rounding streams, as in ``FusedEmbeddingBagCollection``.
+
+    Raises:
+        ValueError: for an unknown placement or table name, ``device`` placement (no
+            device cache on CPU), or missing static counts.
+
+    Example:
+        >>> spec = SparseOptimizerSpec(kind="sgd", lr=0.1)
+        >>> table = TableConfig(name="t", num_embeddings=10, dim=4, precision="int8")
+        >>> ebc = CachedEmbeddingBagCollection([table], spec, CacheSpec(fraction=0.2))
+        >>> ebc(SparseFeatures.from_lists({"t": [[1, 2], [3]]})).values.shape
+        torch.Size([2, 4])
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        optimizer: SparseOptimizerSpec,
+        cache: CacheSpec,
+        *,
+        placements: Mapping[str, Placement | str] | None = None,
+        static_counts: Mapping[str, torch.Tensor] | None = None,
+        check_bounds: bool = True,
+        deterministic: bool = True,
+        stochastic_rounding: bool = True,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.tables = tuple(tables)
+        self.feature_names = feature_order(self.tables)
+        self.feature_dims = tuple(t.dim for t in self.tables for _ in t.feature_names)
+        self.optimizer_spec = optimizer
+        self.cache_spec = cache
+        self.check_bounds = check_bounds
+        self.seed = draw_seed() if seed is None else seed
+        self.placements = _resolve_placements(self.tables, placements or {})
+        cached = [t for t, p in zip(self.tables, self.placements) if p is not Placement.HOST]
+        capacity = cache.capacities(cached, optimizer.kind)
+        self._caches = {
+            i: _TableCache(capacity[t.name], t.num_embeddings, cache.policy)
+            for i, t in enumerate(self.tables)
+            if t.name in capacity
+        }
+        self._means = tuple(t.pooling is PoolingMode.MEAN for t in self.tables)
+        self._anchor = torch.empty(0, requires_grad=True)
+        self._ssd_dir: Path | None = None
+        fused = {
+            "check_bounds": check_bounds,
+            "deterministic": deterministic,
+            "stochastic_rounding": stochastic_rounding,
+            "seed": self.seed,
+        }
+        self._parts: list[_Part] = []
+        self._home: dict[int, tuple[int, int]] = {}  # table -> (backing part, local index)
+        self._slot_home: dict[int, int] = {}  # table -> local index in the cache part
+        self._build_parts(fused)
+        #: The ``torch.optim`` surface; every part reads its hyperparameters.
+        self.fused_optimizer: FusedOptimizer = FusedOptimizer(optimizer, self)
+        for part in self._parts:
+            part.module.fused_optimizer = self.fused_optimizer
+        if cache.policy is CachePolicy.STATIC:
+            self._pin_static(static_counts)
+
+    # -- construction ---------------------------------------------------------------------
+
+    def _build_parts(self, fused: dict[str, Any]) -> None:
+        groups: dict[int, list[int]] = {_CACHE: [], _RAM: [], _SSD: []}
+        for i, p in enumerate(self.placements):
+            groups[_SSD if p is Placement.SSD else _RAM].append(i)
+            if i in self._caches and self._caches[i].capacity > 0:
+                groups[_CACHE].append(i)
+        for kind in (_CACHE, _RAM, _SSD):
+            members = groups[kind]
+            if not members:
+                continue
+            if kind == _CACHE:
+                tables = [
+                    dataclasses.replace(
+                        self.tables[i],
+                        num_embeddings=self._caches[i].capacity,
+                        pooling=PoolingMode.SUM,
+                        precision=Precision.FP32,
+                    )
+                    for i in members
+                ]
+                self._slot_home.update({i: k for k, i in enumerate(members)})
+            else:
+                # Every part pools as sum: a mean bag is divided by its whole length
+                # after the parts' sums are added. Same name, rows and bound: same
+                # initial rows and rounding keys as the uncached collection.
+                tables = [
+                    dataclasses.replace(self.tables[i], pooling=PoolingMode.SUM) for i in members
+                ]
+                self._home.update({i: (len(self._parts), k) for k, i in enumerate(members)})
+            device = "meta" if kind == _SSD else None
+            module = FusedEmbeddingBagCollection(
+                tables, self.optimizer_spec, device=device, **fused
+            )
+            if kind == _SSD:
+                # scratch space, deleted with this module (a checkpoint holds the rows)
+                self._ssd_dir = map_to_files(module, self.optimizer_spec, self.cache_spec.directory)
+                weakref.finalize(self, shutil.rmtree, self._ssd_dir, True)
+            self._parts.append(self._part(kind, module, members))
+
+    def _part(self, kind: int, module: FusedEmbeddingBagCollection, members: list[int]) -> _Part:
+        feats: list[int] = []
+        cols: list[int] = []
+        f = col = 0
+        for i, t in enumerate(self.tables):
+            for _ in t.feature_names:
+                if i in members:
+                    feats.append(f)
+                    cols.extend(range(col, col + t.dim))
+                f, col = f + 1, col + t.dim
+        return _Part(
+            kind=kind,
+            module=module,
+            features=torch.tensor(feats, dtype=torch.int64),
+            columns=torch.tensor(cols, dtype=torch.int64),
+        )
+
+    def _pin_static(self, counts: Mapping[str, torch.Tensor] | None) -> None:
+        for i, c in self._caches.items():
+            name = self.tables[i].name
+            if counts is None or name not in counts:
+                raise ValueError(
+                    f"cache policy 'static' needs static_counts for table {name!r} "
+                    "(count_ids over a data sample)"
+                )
+            if c.capacity:
+                rows = hot_rows(counts[name].long(), c.capacity)
+                self._fill(i, rows, torch.arange(rows.numel()))
+
+    # -- views ----------------------------------------------------------------------------
+
+    def _backing(self, i: int) -> tuple[FusedEmbeddingBagCollection, int]:
+        p, k = self._home[i]
+        return self._parts[p].module, k
+
+    def _slots(self) -> FusedEmbeddingBagCollection:
+        assert self._parts[0].kind == _CACHE  # only called for tables with slots
+        return self._parts[0].module
+
+    @property
+    def iteration(self) -> int:
+        """Backward passes so far (the stochastic-rounding stream position)."""
+        return self._parts[0].module.iteration
+
+    def ssd_files(self) -> tuple[Path, ...]:
+        """The memory-mapped files of the ``ssd`` tables (rows, then state), sorted."""
+        if self._ssd_dir is None:
+            return ()
+        return tuple(sorted(self._ssd_dir.iterdir()))
+
+    # -- cache maintenance ----------------------------------------------------------------
+
+    @torch.no_grad()
+    def _fill(self, i: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Admit ``rows`` into ``slots`` (free): decode rows, copy their state."""
+        t, c = self.tables[i], self._caches[i]
+        backing, k = self._backing(i)
+        cache, ck = self._slots(), self._slot_home[i]
+        cache._table_rows(ck)[slots] = decode_rows(backing._table_rows(k)[rows], t.precision, t.dim)
+        src = backing._table_state(k)
+        for name, dst in cache._table_state(ck).items():
+            dst[slots] = src[name][rows]
+        c.row_slot[rows] = slots.to(torch.int32)
+        c.slot_rows[slots] = rows
+        c.dirty[slots] = False
+
+    @torch.no_grad()
+    def _write_back(self, i: int, slots: torch.Tensor) -> None:
+        """Store the FP32 rows of ``slots`` into the backing store; copy their state."""
+        t, c = self.tables[i], self._caches[i]
+        rows = c.slot_rows[slots]
+        backing, k = self._backing(i)
+        cache, ck = self._slots(), self._slot_home[i]
+        w = cache._table_rows(ck)[slots]  # (n, D) FP32
+        noise = None
+        if backing.stochastic_rounding and t.precision is not Precision.FP32:
+            # The draws the kernel would make for these rows at this iteration; the
+            # kernel itself never updates them at this iteration (they are idle).
+            sl = backing.slices[k]
+            keys = rows + sl.row_key()
+            noise = rounding_noise(backing.seed, backing.iteration, keys, sl.col_start, t.dim)
+        backing._table_rows(k)[rows] = encode_rows(
+            w, t.precision, stochastic=backing.stochastic_rounding, noise=noise
+        )
+        dst = backing._table_state(k)
+        for name, src in cache._table_state(ck).items():
+            dst[name][rows] = src[slots]
+
+    def _evict(self, i: int, victims: torch.Tensor) -> None:
+        c = self._caches[i]
+        dirty = victims[c.dirty[victims]]
+        if dirty.numel():
+            self._write_back(i, dirty)
+        c.counters[3] += victims.numel()
+        c.counters[4] += dirty.numel()
+        c.row_slot[c.slot_rows[victims]] = -1
+        c.slot_rows[victims] = -1
+        c.dirty[victims] = False
+
+    def _admit(self, i: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One training batch's policy step for table ``i``; its unique rows and slots."""
+        c = self._caches[i]
+        uniq, counts = torch.unique(ids, return_counts=True)  # rows ascending
+        slots = c.row_slot[uniq].long()
+        hit = slots >= 0
+        c.counters[1] += int(counts[hit].sum())
+        c.counters[2] += int(counts[~hit].sum())
+        if c.policy is CachePolicy.LFU:
+            c.freq.index_add_(0, uniq, counts)
+        busy = torch.zeros(c.capacity, dtype=torch.bool)
+        busy[slots[hit]] = True
+        plan = plan_admission(
+            c.policy,
+            miss_rows=uniq[~hit],
+            miss_counts=counts[~hit],
+            slot_rows=c.slot_rows,
+            busy=busy,
+            last_used=c.last_used,
+            freq=c.freq,
+        )
+        if plan.victims.numel():
+            self._evict(i, plan.victims)
+        if plan.rows.numel():
+            self._fill(i, plan.rows, plan.slots)
+        slots = c.row_slot[uniq].long()
+        if c.policy is CachePolicy.LRU:
+            c.last_used[slots[slots >= 0]] = c.counters[0]
+        c.counters[0] += 1
+        return uniq, slots
+
+    def flush(self) -> None:
+        """Write every dirty cached row back (rounded copy) and copy cached state back.
+
+        The cache is unchanged (rows stay cached, FP32 and dirty), so training goes on
+        exactly as without the flush; afterwards the backing stores hold the complete
+        tables (what ``state_dict`` saves).
+        """
+        for i, c in self._caches.items():
+            occupied = torch.nonzero(c.slot_rows >= 0).flatten()
+            dirty = occupied[c.dirty[occupied]]
+            if dirty.numel():
+                self._write_back(i, dirty)  # also copies the state of these slots
+            clean = occupied[~c.dirty[occupied]]
+            if clean.numel():
+                self._copy_state_back(i, clean)
+
+    @torch.no_grad()
+    def _copy_state_back(self, i: int, slots: torch.Tensor) -> None:
+        rows = self._caches[i].slot_rows[slots]
+        backing, k = self._backing(i)
+        dst = backing._table_state(k)
+        for name, src in self._slots()._table_state(self._slot_home[i]).items():
+            dst[name][rows] = src[slots]
+
+    @torch.no_grad()
+    def _refresh_cached_state(self) -> None:
+        """Copy the backing state of every cached row into its slot (after a load)."""
+        for i, c in self._caches.items():
+            slots = torch.nonzero(c.slot_rows >= 0).flatten()
+            if not slots.numel():
+                continue
+            backing, k = self._backing(i)
+            src = backing._table_state(k)
+            for name, dst in self._slots()._table_state(self._slot_home[i]).items():
+                dst[slots] = src[name][c.slot_rows[slots]]
+
+    # -- the embedding-module protocol ----------------------------------------------------
+
+    def forward(self, features: SparseFeatures) -> PooledEmbeddings:
+        """Pool every feature; output columns follow ``self.feature_names``.
+
+        In a training forward (``training`` and grad enabled) the caches admit and
+        evict first; otherwise they are only read.
+
+        Raises:
+            ValueError: for an out-of-range id (when ``check_bounds``), or per-id
+                weights on a mean-pooled collection.
+        """
+        if features.keys != self.feature_names:
+            features = permute_keys(features, self.feature_names)
+        if features.weights is not None and any(self._means):
+            raise ValueError("per-id weights are supported with sum pooling only")
+        route = self._route(features, admit=self.training and torch.is_grad_enabled())
+        out = _CachedLookup.apply(  # type: ignore[no-untyped-call]  # torch leaves apply unannotated
+            self, route, features.weights, self._anchor
+        )
+        return PooledEmbeddings(self.feature_names, self.feature_dims, out)
+
+    def _check_ids(
+        self, t: TableConfig, ids: torch.Tensor, features: range, starts: list[int]
+    ) -> None:
+        """Raise for an id of table ``t`` outside it, naming the feature (one check per table)."""
+        if not self.check_bounds or not ids.numel():
+            return
+        lo, hi = (int(x) for x in torch.aminmax(ids))
+        if lo >= 0 and hi < t.num_embeddings:
+            return
+        bad = lo if lo < 0 else hi
+        first = starts[features[0]]  # ids holds the table's features back to back
+        f = next(
+            g for g in features if (ids[starts[g] - first : starts[g + 1] - first] == bad).any()
+        )
+        raise ValueError(
+            f"feature {self.feature_names[f]!r}: id {bad} is outside its table {t.name!r} "
+            f"of {t.num_embeddings} rows (valid ids are 0..{t.num_embeddings - 1})"
+        )
+
+    def _route(self, features: SparseFeatures, *, admit: bool) -> _Route:
+        batch, lengths = features.batch_size, features.lengths.long()
+        local = features.values.long().clone()  # (N,) becomes slot or row per id
+        dest = torch.full_like(local, _RAM, dtype=torch.int8)
+        starts = [0]
+        for n in features.value_counts_host():
+            starts.append(starts[-1] + n)
+        touched = []
+        f = 0
+        for i, t in enumerate(self.tables):
+            f0, f = f, f + len(t.feature_names)
+            seg = slice(starts[f0], starts[f])
+            home = _SSD if self.placements[i] is Placement.SSD else _RAM
+            dest[seg] = home
+            if i not in self._caches:
+                continue
+            ids = local[seg]
+            self._check_ids(t, ids, range(f0, f), starts)
+            if admit:
+                rows, slots = self._admit(i, ids)
+                touched.append((i, rows, slots.to(torch.int32)))
+            slot = self._caches[i].row_slot[ids].long()
+            hit = slot >= 0
+            dest[seg] = torch.where(hit, _CACHE, home).to(torch.int8)
+            local[seg] = torch.where(hit, slot, ids)
+        nf = len(self.feature_names)
+        ends = torch.cumsum(lengths, 0)  # (F*B,) one past each bag's last id
+        values, part_lengths, masks = [], [], []
+        for part in self._parts:
+            mask = dest == part.kind
+            # ids of this part per bag: differences of the mask's running count
+            taken = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(mask, 0)])
+            counts = torch.diff(taken[ends], prepend=taken[:1]).view(nf, batch)
+            values.append(local[mask])
+            part_lengths.append(counts[part.features].reshape(-1))
+            masks.append(mask)
+        return _Route(
+            batch=batch,
+            values=values,
+            lengths=part_lengths,
+            masks=masks,
+            divisor=self._divisor(lengths, batch),
+            touched=touched,
+        )
+
+    def _divisor(self, lengths: torch.Tensor, batch: int) -> torch.Tensor | None:
+        """``(B, sum D)``: each bag's length on mean-pooled columns, 1 elsewhere."""
+        if not any(self._means):
+            return None
+        mean = [m for t, m in zip(self.tables, self._means) for _ in t.feature_names]
+        per_bag = lengths.view(len(mean), batch).t().float().clamp(min=1)  # (B, F)
+        per_bag[:, [f for f, m in enumerate(mean) if not m]] = 1.0
+        dims = torch.tensor(self.feature_dims)
+        return torch.repeat_interleave(per_bag, dims, dim=1)
+
+    def pooled_lookup(self, route: _Route, psw: torch.Tensor | None) -> torch.Tensor:
+        """``(B, sum D)`` pooled rows of a routed batch (the forward without autograd)."""
+        out = torch.zeros(route.batch, sum(self.feature_dims))  # (B, sum D)
+        # Backing parts first, then the cache: an all-cached (or all-uncached) bag is
+        # 0 + its one part's sum, exactly what the uncached collection computes.
+        for p in sorted(range(len(self._parts)), key=lambda p: self._parts[p].kind == _CACHE):
+            part = self._parts[p]
+            w = psw[route.masks[p]] if psw is not None else None
+            pooled = part.module.pooled_lookup(route.values[p], route.lengths[p], w)
+            out.index_add_(1, part.columns, pooled)
+        if route.divisor is not None:
+            out.div_(route.divisor)  # the kernel's mean: the sum divided by the length
+        return out
+
+    def apply_gradients(
+        self,
+        grad_out: torch.Tensor,
+        route: _Route,
+        psw: torch.Tensor | None,
+        *,
+        want_psw: bool = False,
+    ) -> torch.Tensor | None:
+        """Every part's fused update for the gradient ``grad_out`` of a routed batch.
+
+        Returns:
+            ``(N,)`` gradient of ``psw`` when ``want_psw``, else ``None``.
+
+        Raises:
+            RuntimeError: if a later training forward moved rows this batch used in or
+                out of the cache (run each backward before the next training forward).
+        """
+        for i, rows, slots in route.touched:
+            if not torch.equal(self._caches[i].row_slot[rows], slots):
+                raise RuntimeError(
+                    f"table {self.tables[i].name!r}: rows this batch used left or entered "
+                    "the cache before its backward; run each training forward's backward "
+                    "before the next training forward"
+                )
+        g = grad_out.contiguous()
+        if route.divisor is not None:
+            g = g / route.divisor  # the kernel's mean backward: gradient over the length
+        psw_grad = torch.zeros_like(psw) if psw is not None and want_psw else None
+        for p, part in enumerate(self._parts):
+            w = psw[route.masks[p]] if psw is not None else None
+            out = part.module.apply_gradients(
+                g.index_select(1, part.columns), route.values[p], route.lengths[p], w,
+                want_psw=psw_grad is not None,
+            )  # fmt: skip
+            if psw_grad is not None and out is not None:
+                psw_grad[route.masks[p]] = out
+        for i, _, slots in route.touched:
+            self._caches[i].dirty[slots[slots >= 0].long()] = True
+        return psw_grad
+
+    # -- what the trainer reads -------------------------------------------------------------
+
+    def cache_stats(self) -> dict[str, CacheStats]:
+        """``{table: CacheStats}`` for every cached table (``CacheStats.total`` sums them)."""
+        out = {}
+        for i, c in self._caches.items():
+            _, hits, misses, evictions, write_backs = c.counters
+            out[self.tables[i].name] = CacheStats(
+                table=self.tables[i].name,
+                capacity=c.capacity,
+                occupied=int((c.slot_rows >= 0).sum()),
+                hits=hits,
+                misses=misses,
+                evictions=evictions,
+                write_backs=write_backs,
+            )
+        return out
+
+    def memory(self) -> CacheMemory:
+        """Bytes by tier (rows in their stored precision, FP32 state, metadata)."""
+        sizes = {_CACHE: [0, 0], _RAM: [0, 0], _SSD: [0, 0]}
+        for part in self._parts:
+            m = part.module
+            sizes[part.kind][0] += sum(w.numel() * w.element_size() for w in m.storages())
+            sizes[part.kind][1] += sum(
+                s.numel() * 4 for st in range(len(m._stores)) for s in m._states(st)
+            )
+        return CacheMemory(
+            backing_ram=sizes[_RAM][0],
+            backing_ssd=sizes[_SSD][0],
+            backing_state_ram=sizes[_RAM][1],
+            backing_state_ssd=sizes[_SSD][1],
+            cache_rows=sizes[_CACHE][0],
+            cache_state=sizes[_CACHE][1],
+            metadata=sum(c.metadata_bytes() for c in self._caches.values()),
+        )
+
+    def table_weights(self) -> dict[str, torch.Tensor]:
+        """``{table: (rows, dim) FP32}``: the backing rows, cached rows from the cache."""
+        out = {}
+        for i, t in enumerate(self.tables):
+            backing, k = self._backing(i)
+            w = decode_rows(backing._table_rows(k), t.precision, t.dim)
+            c = self._caches.get(i)
+            if c is not None and c.capacity:
+                slots = torch.nonzero(c.slot_rows >= 0).flatten()
+                rows = self._slots()._table_rows(self._slot_home[i])
+                w[c.slot_rows[slots]] = rows[slots]
+            out[t.name] = w
+        return out
+
+    # -- the fused optimizer's state (FusedState) -------------------------------------------
+
+    def storages(self) -> list[torch.Tensor]:
+        """The flat row storages of every part (cache slots and backing stores)."""
+        return [w for part in self._parts for w in part.module.storages()]
+
+    def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``{table: {name: (rows, ...) FP32}}``: complete (cached state copied back first)."""
+        for i, c in self._caches.items():
+            slots = torch.nonzero(c.slot_rows >= 0).flatten()
+            if slots.numel():
+                self._copy_state_back(i, slots)
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for part in self._parts:
+            if part.kind != _CACHE:
+                out.update(part.module.optimizer_state())
+        return {t.name: out[t.name] for t in self.tables}
+
+    def load_optimizer_state(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Copy ``state`` (``optimizer_state``'s form) into backing stores and slots, bitwise.
+
+        Raises:
+            ValueError: for missing or unexpected tables or names, or another shape.
+        """
+        names = {t.name for t in self.tables}
+        if set(state) != names:
+            raise ValueError(
+                f"optimizer state for tables {sorted(state)}, this module has {sorted(names)}"
+            )
+        for part in self._parts:
+            if part.kind != _CACHE:
+                mine = {t.name for t in part.module.tables}
+                part.module.load_optimizer_state({n: state[n] for n in mine})
+        self._refresh_cached_state()
+
+    # -- state dict -----------------------------------------------------------------------
+
+    def _save_to_state_dict(
+        self, destination: dict[str, Any], prefix: str, keep_vars: bool
+    ) -> None:
+        self.flush()
+        for i, t in enumerate(self.tables):
+            backing, k = self._backing(i)
+            destination[f"{prefix}weights.{t.name}"] = backing._table_rows(k).detach()
+        destination[f"{prefix}rounding"] = torch.tensor([self.seed, self.iteration])
+        for i, c in self._caches.items():
+            key = f"{prefix}cache.{self.tables[i].name}."
+            destination[key + "slot_rows"] = c.slot_rows.clone()
+            destination[key + "dirty"] = c.dirty.clone()
+            destination[key + "last_used"] = c.last_used.clone()
+            destination[key + "freq"] = c.freq.clone()
+            destination[key + "counters"] = torch.tensor(c.counters, dtype=torch.int64)
+            if c.capacity:
+                rows = self._slots()._table_rows(self._slot_home[i])
+                destination[key + "rows"] = rows.detach().clone()
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        expected = set()
+        for i, t in enumerate(self.tables):
+            key = f"{prefix}weights.{t.name}"
+            expected.add(key)
+            backing, k = self._backing(i)
+            dst = backing._table_rows(k)
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            src = state_dict[key]
+            if src.numel() != dst.numel() or src.dtype != dst.dtype:
+                error_msgs.append(
+                    f"{key}: expected {tuple(dst.shape)} {dst.dtype}, "
+                    f"got {tuple(src.shape)} {src.dtype}"
+                )
+                continue
+            with torch.no_grad():
+                dst.copy_(src.reshape(dst.shape))
+        expected.add(f"{prefix}rounding")
+        rounding = state_dict.get(f"{prefix}rounding")
+        if rounding is not None:
+            self.seed, iteration = (int(x) for x in rounding.tolist())
+            for part in self._parts:
+                part.module.seed, part.module.iteration = self.seed, iteration
+        for i in self._caches:
+            key = f"{prefix}cache.{self.tables[i].name}."
+            names = ("slot_rows", "dirty", "last_used", "freq", "counters")
+            found = {n: state_dict.get(key + n) for n in (*names, "rows")}
+            expected.update(key + n for n in (*names, "rows"))
+            self._load_cache(i, found)
+        self._refresh_cached_state()
+        for key in state_dict:
+            if key.startswith(prefix) and key not in expected:
+                unexpected_keys.append(key)
+
+    @torch.no_grad()
+    def _load_cache(self, i: int, saved: Mapping[str, torch.Tensor | None]) -> None:
+        """Restore table ``i``'s cache, or rebuild it from the backing rows if not saved."""
+        c = self._caches[i]
+        pinned = c.slot_rows.clone()
+        fresh = _TableCache(c.capacity, self.tables[i].num_embeddings, c.policy)
+        self._caches[i] = fresh
+        slot_rows = saved["slot_rows"]
+        if slot_rows is None:  # no cache in the checkpoint: start empty (static: re-pin)
+            if c.policy is CachePolicy.STATIC and c.capacity:
+                keep = pinned[pinned >= 0]
+                self._fill(i, keep, torch.arange(keep.numel()))
+            return
+        for name in ("slot_rows", "dirty", "last_used", "freq"):
+            value, dst = saved[name], getattr(fresh, name)
+            if value is None or value.shape != dst.shape:
+                got = None if value is None else tuple(value.shape)
+                raise ValueError(
+                    f"table {self.tables[i].name!r}: the checkpoint's cache.{name} is {got}, "
+                    f"this cache ({fresh.capacity} slots, policy {c.policy.value!r}) "
+                    f"needs {tuple(dst.shape)}"
+                )
+            dst.copy_(value)
+        counters = saved["counters"]
+        assert counters is not None
+        fresh.counters = [int(x) for x in counters.tolist()]
+        occupied = torch.nonzero(fresh.slot_rows >= 0).flatten()
+        fresh.row_slot[fresh.slot_rows[occupied]] = occupied.to(torch.int32)
+        rows = saved["rows"]
+        if c.capacity and rows is not None:
+            self._slots()._table_rows(self._slot_home[i]).copy_(rows)
+
+
+def _resolve_placements(
+    tables: Sequence[TableConfig], given: Mapping[str, Placement | str]
+) -> tuple[Placement, ...]:
+    names = {t.name for t in tables}
+    unknown = sorted(set(given) - names)
+    if unknown:
+        raise ValueError(f"placements name unknown tables {unknown}; tables: {sorted(names)}")
+    out = []
+    for t in tables:
+        p = Placement.parse(given.get(t.name, Placement.CACHED))
+        if p not in _PLACEMENTS:
+            valid = ", ".join(x.value for x in _PLACEMENTS)
+            raise ValueError(
+                f"table {t.name!r}: placement {p.value!r} is not available on CPU "
+                f"(the device cache needs a GPU); valid: {valid}"
+            )
+        out.append(p)
+    return tuple(out)

@@ -1,0 +1,58 @@
+"""The SSD tier: a fused collection whose flat storages are memory-mapped files.
+
+``FusedEmbeddingBagCollection`` keeps each row store in one flat tensor, and its
+kernels take any CPU tensor, so a store backed by a file needs no other change::
+
+    <directory>/tetrarec-ssd-XXXX/
+      rows-<store>-<precision>.bin     the store's rows, exactly its in-memory layout
+      state-<store>-<name>.bin         FP32 optimizer state of every row
+
+``torch.from_file(shared=True)`` maps each file; its pages are the kernel's page cache,
+not anonymous process memory, so under a memory limit the kernel writes dirty pages
+back and drops clean ones, and the rows need not fit in RAM.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tetrarec.embedding import SparseOptimizerSpec
+from tetrarec.kernels import FusedEmbeddingBagCollection
+
+__all__ = ["map_to_files"]
+
+
+def map_to_files(
+    module: FusedEmbeddingBagCollection, optimizer: SparseOptimizerSpec, root: str | None
+) -> Path:
+    """Back a meta-device ``module``'s storages by files, then write its initial rows.
+
+    Args:
+        module: a collection built with ``device="meta"`` (it allocated nothing).
+        optimizer: its optimizer (the initial value of Adagrad's state).
+        root: the directory for the files' directory (default: the system's temporary
+            directory, often a RAM-backed tmpfs: point it at the SSD).
+
+    Returns:
+        The new directory holding the files (the caller deletes it).
+    """
+    base = Path(root or tempfile.gettempdir())
+    base.mkdir(parents=True, exist_ok=True)
+    directory = Path(tempfile.mkdtemp(prefix="tetrarec-ssd-", dir=base))
+    for s, store in enumerate(module._stores):
+        path = directory / f"rows-{s}-{store.precision.value}.bin"
+        w = torch.from_file(
+            str(path), shared=True, size=store.numel, dtype=store.precision.torch_dtype
+        )
+        setattr(module, f"_weights_{s}", w)
+        for k, n in enumerate(store.state_numel):
+            name = store.state_names[k]
+            path = directory / f"state-{s}-{name}.bin"
+            st = torch.from_file(str(path), shared=True, size=n, dtype=torch.float32)
+            st.fill_(optimizer.initial_accumulator if name == "sum" else 0.0)
+            setattr(module, f"_state_{s}_{k}", st)
+    module._init_weights()  # the same initial rows as in memory (init_rows)
+    return directory
