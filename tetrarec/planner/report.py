@@ -6,9 +6,8 @@ communication, dense); the imbalance; per table the placement and the reason.
 The report is recomputed from the final shards with the same cost functions the search
 used (``cost.py``), shard by shard at their exact sizes, so its sums are the plan's.
 
-``ShardingPlan`` has no field for a tier, a cache or a per-table precision: the report
-(and its JSON, written beside the plan by ``tetrarec plan --json``) is where they live
-until the plan grows those fields.
+Each table's tier, cache and precision are in the plan too (``TablePlan.placement``);
+the report adds why.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from tetrarec.planner.cost import (
     uniform_cost,
 )
 from tetrarec.planner.inputs import PlannerInputs
-from tetrarec.planner.search import TableChoice
+from tetrarec.planner.search import TableChoice, option_of
 from tetrarec.planner.topology import TIER_ORDER
 from tetrarec.sharding.plan import ShardingPlan
 from tetrarec.types import ShardingType
@@ -295,7 +294,7 @@ def predict(inputs: PlannerInputs, plan: ShardingPlan) -> PlanReport:
 
     The cost model (``cost.py``) prices it exactly as it prices the planner's own.
 
-    ``ShardingPlan`` has no tier or precision fields: every table is priced in the
+    Each table is priced where its ``placement`` puts it; a table without one in the
     topology's fast tier at its configured precision (``TableSpec.precision``).
 
     Raises:
@@ -316,8 +315,14 @@ def predict(inputs: PlannerInputs, plan: ShardingPlan) -> PlanReport:
             blocks = len({s.cols for s in tp.shards})
         else:
             blocks = len(tp.shards)
+        tier, cache_tier, fraction, precision = option_of(tp.placement, table, topo)
         option = Option(
-            sharding=tp.sharding, blocks=blocks, tier=topo.fast_tier, precision=table.precision
+            sharding=tp.sharding,
+            blocks=blocks,
+            tier=tier,
+            cache_tier=cache_tier,
+            cache_fraction=fraction,
+            precision=precision,
         )
         choices.append(
             TableChoice(

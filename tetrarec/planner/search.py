@@ -50,10 +50,10 @@ from tetrarec.planner.cost import (
     uniform_cost,
 )
 from tetrarec.planner.inputs import PlannerInputs, TableSpec
-from tetrarec.planner.topology import TIER_ORDER, Tier
-from tetrarec.sharding.plan import Shard, ShardingPlan, TablePlan
+from tetrarec.planner.topology import TIER_ORDER, Tier, Topology
+from tetrarec.sharding.plan import Shard, ShardingPlan, TablePlacement, TablePlan
 from tetrarec.sharding.strategy import split_evenly
-from tetrarec.types import ShardingType
+from tetrarec.types import Placement, Precision, ShardingType
 
 __all__ = [
     "DP_MAX_BYTES",
@@ -133,8 +133,52 @@ class TableChoice:
     candidates: int
 
     def table_plan(self) -> TablePlan:
-        """The ``TablePlan`` of the ``ShardingPlan``."""
-        return TablePlan(table=self.table, sharding=self.option.sharding, shards=self.shards)
+        """The ``TablePlan`` of the ``ShardingPlan`` (with the placement chosen)."""
+        return TablePlan(
+            table=self.table,
+            sharding=self.option.sharding,
+            shards=self.shards,
+            placement=table_placement(self.option),
+        )
+
+
+def table_placement(option: Option) -> TablePlacement:
+    """The plan's ``TablePlacement`` of an option.
+
+    Rows in device or host memory; host rows with a device cache are ``cached``; SSD
+    rows (cached in host memory) ``ssd``.
+    """
+    if option.tier is Tier.SSD:
+        kind = Placement.SSD
+    elif option.cache_tier is not None:
+        kind = Placement.CACHED
+    else:
+        kind = Placement.DEVICE if option.tier is Tier.DEVICE else Placement.HOST
+    return TablePlacement(
+        placement=kind, cache_fraction=option.cache_fraction, precision=option.precision
+    )
+
+
+def option_of(
+    placement: TablePlacement | None, table: TableSpec, topology: Topology
+) -> tuple[Tier, Tier | None, float, Precision]:
+    """(tier, cache tier, cache fraction, precision) of a plan's placement.
+
+    The inverse of ``table_placement``; ``None``: the fast tier at the table's precision.
+    """
+    if placement is None:
+        return topology.fast_tier, None, 0.0, table.precision
+    tiers = topology.tiers
+    kind, f = placement.placement, placement.cache_fraction
+    if kind is Placement.SSD:
+        above = [t for t in tiers if t is not Tier.SSD]
+        cache = above[-1] if above and f > 0 else None
+        return Tier.SSD, cache, f if cache else 0.0, placement.precision
+    if kind is Placement.CACHED and Tier.DEVICE in tiers and Tier.HOST in tiers:
+        return Tier.HOST, Tier.DEVICE, f, placement.precision
+    if kind is Placement.DEVICE:
+        return Tier.DEVICE, None, 0.0, placement.precision
+    return Tier.HOST, None, 0.0, placement.precision  # host; cached in the same memory
 
 
 def candidates(inputs: PlannerInputs, table: TableSpec) -> list[Option]:

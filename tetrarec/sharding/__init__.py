@@ -18,7 +18,7 @@ from tetrarec.sharding import (  # noqa: F401  (each registers its strategy or g
 )
 from tetrarec.sharding.env import ShardingEnv
 from tetrarec.sharding.group import LookupOptions, ShardedGroup
-from tetrarec.sharding.plan import Shard, ShardingPlan, TablePlan
+from tetrarec.sharding.plan import Shard, ShardingPlan, TablePlacement, TablePlan
 from tetrarec.sharding.shard import check_ranks_agree, shard_collection, shard_model
 from tetrarec.sharding.sharded_collection import ShardedEmbeddingBagCollection
 from tetrarec.sharding.state_dict import copy_unsharded_state, local_blocks, unshard
@@ -33,6 +33,7 @@ __all__ = [
     "ShardedGroup",
     "ShardingEnv",
     "ShardingPlan",
+    "TablePlacement",
     "TablePlan",
     "check_ranks_agree",
     "copy_unsharded_state",

@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from tetrarec.embedding import TableConfig
-from tetrarec.types import ShardingType
+from tetrarec.types import Placement, Precision, ShardingType
 
-__all__ = ["Shard", "ShardingPlan", "TablePlan"]
+__all__ = ["Shard", "ShardingPlan", "TablePlacement", "TablePlan"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,24 +83,87 @@ class Shard:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TablePlacement:
+    """Where a table's rows live and how they are stored (the planner's choice).
+
+    Args:
+        placement: ``device`` or ``host`` memory; ``cached`` (an FP32 cache of hot rows
+            in front of rows in host memory); ``ssd`` (the cache in front of rows in a
+            memory-mapped file). See ``tetrarec.cache``.
+        cache_fraction: the share of the rows cached, hottest first (0 for ``device``
+            and ``host``).
+        precision: the stored row precision.
+
+    Raises:
+        ValueError: for a fraction outside [0, 1), or a cache on an uncached placement.
+    """
+
+    placement: Placement
+    cache_fraction: float = 0.0
+    precision: Precision
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.cache_fraction < 1.0:
+            raise ValueError(f"cache_fraction must be in [0, 1), got {self.cache_fraction}")
+        if self.cache_fraction and self.placement in (Placement.DEVICE, Placement.HOST):
+            raise ValueError(f"a {self.placement.value} placement has no cache")
+
+    def describe(self) -> str:
+        """``"ssd + 5% cache, int8"``."""
+        cache = f" + {self.cache_fraction:.0%} cache" if self.cache_fraction else ""
+        return f"{self.placement.value}{cache}, {self.precision.value}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values."""
+        return {
+            "placement": self.placement.value,
+            "cache_fraction": self.cache_fraction,
+            "precision": self.precision.value,
+        }
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> TablePlacement:
+        """Inverse of ``to_dict``.
+
+        Raises:
+            ValueError: on a missing or bad value.
+        """
+        try:
+            return TablePlacement(
+                placement=Placement.parse(d["placement"]),
+                cache_fraction=float(d.get("cache_fraction", 0.0)),
+                precision=Precision.parse(d["precision"]),
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"bad placement {d!r}: needs placement and precision") from e
+
+
+@dataclass(frozen=True, kw_only=True)
 class TablePlan:
-    """One table's sharding type and shards."""
+    """One table's sharding type and shards, and optionally its placement.
+
+    ``placement`` ``None``: the fast tier, no cache, the table's own precision.
+    """
 
     table: str
     sharding: ShardingType
     shards: tuple[Shard, ...]
+    placement: TablePlacement | None = None
 
     def ranks(self) -> tuple[int, ...]:
         """The ranks holding a shard, in shard order, without repeats."""
         return tuple(dict.fromkeys(s.rank for s in self.shards))
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values."""
-        return {
+        """Plain values (``placement`` only when set)."""
+        d: dict[str, Any] = {
             "table": self.table,
             "sharding": self.sharding.value,
             "shards": [s.to_dict() for s in self.shards],
         }
+        if self.placement is not None:
+            d["placement"] = self.placement.to_dict()
+        return d
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,9 +274,14 @@ class ShardingPlan:
             try:
                 sharding = ShardingType.parse(entry["sharding"])
                 shards = tuple(Shard.from_dict(s) for s in entry["shards"])
+                placement = (
+                    TablePlacement.from_dict(entry["placement"]) if "placement" in entry else None
+                )
             except (KeyError, ValueError) as e:
                 raise ValueError(f"sharding plan, table {name!r}: {e}") from e
-            tables.append(TablePlan(table=str(name), sharding=sharding, shards=shards))
+            tables.append(
+                TablePlan(table=str(name), sharding=sharding, shards=shards, placement=placement)
+            )
         try:
             world, local = int(d["world_size"]), int(d.get("local_world_size", d["world_size"]))
         except (KeyError, ValueError) as e:
@@ -262,11 +330,13 @@ class ShardingPlan:
             blocks = ", ".join(
                 f"{s.rank}: [{s.rows[0]},{s.rows[1]})x[{s.cols[0]},{s.cols[1]})" for s in tp.shards
             )
-            lines.append(f"{tp.table:<16} {tp.sharding.value:<18} {blocks}")
+            where = f"  [{tp.placement.describe()}]" if tp.placement is not None else ""
+            lines.append(f"{tp.table:<16} {tp.sharding.value:<18} {blocks}{where}")
             t = sizes.get(tp.table)
             if t is not None:
                 for s in tp.shards:
-                    per_rank[s.rank] += s.num_rows * t.precision.row_bytes(s.dim)
+                    prec = tp.placement.precision if tp.placement is not None else t.precision
+                    per_rank[s.rank] += s.num_rows * prec.row_bytes(s.dim)
         if tables:
             lines.append(
                 "weights per rank: "

@@ -34,8 +34,45 @@ from tetrarec.sharding.plan import ShardingPlan, TablePlan
 from tetrarec.sharding.routing import BlockColumns, place_columns
 from tetrarec.sharding.strategy import GROUPS, STRATEGIES
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures, permute_keys
+from tetrarec.types import Placement
 
 __all__ = ["ShardedEmbeddingBagCollection"]
+
+
+def _check_placements(plan: ShardingPlan, env: ShardingEnv, tables: Sequence[TableConfig]) -> None:
+    """Refuse placements the shards cannot honour yet.
+
+    Shards keep their rows in the rank's own memory (host memory on a CPU rank, device
+    memory on an accelerator), uncached, at the table's configured precision.
+
+    Raises:
+        ValueError: naming the tables and their placements.
+    """
+    precision = {t.name: t.precision for t in tables}
+    changed = [
+        f"{tp.table} ({precision[tp.table].value} -> {tp.placement.precision.value})"
+        for tp in plan
+        if tp.placement is not None and tp.placement.precision is not precision[tp.table]
+    ]
+    if changed:
+        raise ValueError(
+            f"the sharding plan stores tables {', '.join(changed)} at another precision than "
+            "the config's: give those tables that precision in the config (model.precision "
+            "or per table), or plan without a precision choice"
+        )
+    here = Placement.HOST if env.device.type in ("cpu", "meta") else Placement.DEVICE
+    other = [
+        f"{tp.table} ({tp.placement.describe()})"
+        for tp in plan
+        if tp.placement is not None and tp.placement.placement is not here
+    ]
+    if other:
+        raise ValueError(
+            f"the sharding plan places tables {', '.join(other)} outside this rank's "
+            f"{here.value} memory; sharded tables keep their rows in {here.value} memory, "
+            "uncached, for now (the row cache and the SSD tier run in one process only): "
+            "plan with a topology whose only tier is that memory, or with more ranks"
+        )
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
@@ -63,6 +100,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.tables = tuple(tables)
         plan.validate(self.tables)
         plan.check_world(env.world_size, env.local_world_size)
+        _check_placements(plan, env, self.tables)
         self.plan, self.env, self.options = plan, env, options
         self.feature_names = feature_order(self.tables)
         self.feature_dims = tuple(t.dim for t in self.tables for _ in t.feature_names)

@@ -179,9 +179,23 @@ def test_precisions_are_lowered_largest_first_only_to_keep_rows_off_the_ssd() ->
     narrowed = {t.name: t.precisions[0] for t in fit_precisions(tight).tables}
     assert narrowed["T5"] is not Precision.FP32  # the largest
     assert narrowed["T0"] is Precision.FP32  # the smallest
-    _, report = plan(tight)
+    sharding_plan, report = plan(tight)
     for r in report.ranks:
         assert all(r.memory[t] <= r.capacity[t] for t in r.memory)
+    # the plan carries each table's tier and precision (what the runtime reads)
+    fp32_only = replace(tight, tables=_tables())  # no lower precision: some rows on SSD
+    for inputs in (tight, fp32_only):
+        sharding_plan, report = plan(inputs)
+        for t in report.tables:
+            where = sharding_plan.table(t.table).placement
+            assert where is not None
+            assert where.precision.value == t.precision
+            tier = t.tier.split("+")[0]
+            want = "ssd" if tier == "ssd" else ("cached" if "+" in t.tier else tier)
+            assert where.placement.value == want, (t.tier, where)
+        again = predict(inputs, sharding_plan)  # priced where the placements put the rows
+        assert [r.step_s for r in again.ranks] == pytest.approx([r.step_s for r in report.ranks])
+    assert any(t.tier.startswith("ssd") for t in report.tables)
 
 
 def test_candidates_follow_the_world_and_the_tiers() -> None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from tetrarec.embedding import TableConfig
-from tetrarec.sharding import Shard, ShardingPlan, TablePlan, plan_by_type
+from tetrarec.sharding import Shard, ShardingPlan, TablePlacement, TablePlan, plan_by_type
 from tetrarec.sharding.strategy import split_evenly
-from tetrarec.types import ShardingType
+from tetrarec.types import Placement, Precision, ShardingType
 
 TABLES = (
     TableConfig(name="big", num_embeddings=1000, dim=16),
@@ -127,3 +128,48 @@ def test_fingerprint_changes_with_any_shard():
     b = plan_by_type(TABLES, ShardingType.ROW_WISE, world_size=3)
     assert a.fingerprint() != b.fingerprint()
     assert a.fingerprint() == ShardingPlan.from_dict(json.loads(a.to_json())).fingerprint()
+
+
+def test_placements_round_trip_and_bad_ones_name_the_table():
+    """Catches a placement lost in the JSON round trip (a planned SSD table trained in
+    memory without a word) and a malformed one accepted."""
+    base = plan_by_type(TABLES, ShardingType.TABLE_WISE, world_size=2)
+    where = TablePlacement(placement=Placement.SSD, cache_fraction=0.05, precision=Precision.INT8)
+    tables = tuple(replace(tp, placement=where) if tp.table == "big" else tp for tp in base.tables)
+    plan = replace(base, tables=tables)
+    again = ShardingPlan.from_dict(json.loads(plan.to_json()))
+    assert again == plan
+    assert again.table("big").placement == where
+    assert again.table("mid").placement is None
+    assert "ssd + 5% cache, int8" in plan.describe(TABLES)
+    d = plan.to_dict()
+    d["tables"][0]["placement"] = {"placement": "tape", "precision": "fp32"}
+    with pytest.raises(ValueError, match=rf"table '{d['tables'][0]['table']}'.*tape"):
+        ShardingPlan.from_dict(d)
+    with pytest.raises(ValueError, match="host placement has no cache"):
+        TablePlacement(placement=Placement.HOST, cache_fraction=0.1, precision=Precision.FP32)
+
+
+def test_the_sharded_collection_refuses_placements_it_cannot_honour():
+    """Catches a plan's SSD tier or precision silently ignored by the sharded runtime."""
+    from tetrarec.comm import Communicator
+    from tetrarec.embedding import SparseOptimizerSpec
+    from tetrarec.sharding import ShardingEnv
+    from tetrarec.sharding.group import LookupOptions
+    from tetrarec.sharding.sharded_collection import ShardedEmbeddingBagCollection
+
+    env = ShardingEnv(Communicator.single())
+    options = LookupOptions(optimizer=SparseOptimizerSpec(kind="sgd", lr=0.1), seed=0)
+    base = plan_by_type(TABLES, ShardingType.TABLE_WISE, world_size=1)
+
+    def placed(where: TablePlacement) -> ShardingPlan:
+        return replace(base, tables=tuple(replace(tp, placement=where) for tp in base.tables))
+
+    host = TablePlacement(placement=Placement.HOST, precision=Precision.FP32)
+    ShardedEmbeddingBagCollection(TABLES, placed(host), env, options)  # honoured
+    ssd = TablePlacement(placement=Placement.SSD, cache_fraction=0.05, precision=Precision.FP32)
+    with pytest.raises(ValueError, match=r"big \(ssd \+ 5% cache, fp32\).*host memory"):
+        ShardedEmbeddingBagCollection(TABLES, placed(ssd), env, options)
+    int8 = TablePlacement(placement=Placement.HOST, precision=Precision.INT8)
+    with pytest.raises(ValueError, match=r"big \(fp32 -> int8\)"):
+        ShardedEmbeddingBagCollection(TABLES, placed(int8), env, options)
