@@ -43,6 +43,17 @@ TINY = (
     "sharding.timeout_s=30",
 )
 MIXED = "sharding.type=[row_wise, column_wise, data_parallel, table_wise]"
+# Rows behind FP32 caches of a quarter of each shard's rows (one table's in files), FP16
+# backing (INT8 column blocks would quantize each block's columns apart); table-wise and
+# column-wise only: their shards see every id of their table, so each rank's cache
+# decides as one process's does.
+CACHED = (
+    "model.placement=[cached, ssd, host, cached]",
+    "model.precision=fp16",
+    "model.cache.fraction=0.25",
+    "optim.sparse.kind=adagrad",
+    "sharding.type=[table_wise, table_wise, column_wise, column_wise]",
+)
 # Fitted statistics (every rank must apply rank 0's; a resume must reuse the saved ones).
 DENSE = ("data.dense_transform=standardize", "data.dense_clip=[-1.5, 1.5]")
 
@@ -78,6 +89,9 @@ def two_ranks(tmp_path_factory):
                                "train.early_stop_patience=1", "train.checkpoint_every=1",
                                "train.keep_checkpoints=1", "optim.dense_lr=2.0", ck("best"))),
         Scenario("planned", (*TINY, "optim.sparse.kind=sgd", ck("planned"))),
+        Scenario("cached", (*TINY, *CACHED, "train.checkpoint_every=3", ck("cached"))),
+        Scenario("cached_first_half", (*TINY, *CACHED, "train.steps=3", ck("cresumed"))),
+        Scenario("cached_second_half", (*TINY, *CACHED, ck("cresumed")), resume=True),
         Scenario("rank_1_other_config", TINY, rank_overrides=((1, ("optim.sparse.lr=0.2",)),)),
         Scenario("unknown_table", (*TINY, f"sharding.plan={tmp / 'unknown.json'}")),
         Scenario("block_not_dividing", (*TINY, "sharding.type=column_wise",
@@ -214,3 +228,28 @@ def test_without_a_type_or_plan_the_planner_plans_and_training_matches_one_proce
     ref = one_process("optim.sparse.kind=sgd")["final"]
     for res in results["planned"]:
         assert abs(res["final"]["log_loss"] - ref["log_loss"]) < 1e-5
+
+
+def test_sharded_cached_tables_train_as_one_process_and_resume_bitwise(two_ranks):
+    """Each rank caches its own shards (FP16 rows, FP32 caches, one table on SSD files).
+    Bugs caught: a sharded run that ignores the config's placements (no cache in the
+    ranks' checkpoints), caches that decide otherwise than one process's, a checkpoint
+    without the cache contents (the resumed run's rows and counters would differ)."""
+    results, tmp = two_ranks
+    for name in ("cached", "cached_first_half", "cached_second_half"):
+        assert all(r["ok"] for r in results[name]), results[name]
+    ref = one_process(*CACHED)["final"]
+    plain = one_process(*CACHED[1:], "model.placement=host")["final"]
+    assert plain["log_loss"] != ref["log_loss"]  # FP32 cached rows train differently
+    for rank, res in enumerate(results["cached"]):
+        got = res["final"]
+        assert abs(got["log_loss"] - ref["log_loss"]) < 1e-5, (rank, got, ref)
+        assert abs(got["auc"] - ref["auc"]) < 1e-4, (rank, got, ref)
+    a, b = tmp / "cached" / "step_00000006", tmp / "cresumed" / "step_00000006"
+    for f in sorted(p.name for p in a.glob("*.safetensors")):
+        ta, tb = load_file(str(a / f)), load_file(str(b / f))
+        assert ta.keys() == tb.keys(), f
+        if f.startswith("rank_"):
+            assert any(".cache." in k for k in ta), f  # the cache contents are saved
+        for k in ta:
+            assert (ta[k] == tb[k]).all(), (f, k)

@@ -56,6 +56,7 @@ bitwise; without them (a checkpoint of an uncached collection) the caches start 
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 import weakref
 from collections.abc import Mapping, Sequence
@@ -72,6 +73,7 @@ from tetrarec.cache.stats import CacheMemory, CacheStats
 from tetrarec.embedding import (
     SparseOptimizerSpec,
     TableConfig,
+    TableSlice,
     draw_seed,
     feature_order,
 )
@@ -168,6 +170,11 @@ class CachedEmbeddingBagCollection(nn.Module):
         stochastic_rounding: round updates and write-backs of low-precision rows
             stochastically.
         seed: initial rows and rounding streams, as in ``FusedEmbeddingBagCollection``.
+        slices: for a shard, where each table sits in its global table (initial rows
+            and rounding follow the global cells, as in ``FusedEmbeddingBagCollection``).
+        fractions: ``{table name: fraction}``: slots of the named cached tables as a
+            fraction of their rows, instead of ``cache``'s size (a plan's per-table
+            choice).
 
     Raises:
         ValueError: for an unknown placement or table name, ``device`` placement (no
@@ -193,9 +200,16 @@ class CachedEmbeddingBagCollection(nn.Module):
         deterministic: bool = True,
         stochastic_rounding: bool = True,
         seed: int | None = None,
+        slices: Sequence[TableSlice] | None = None,
+        fractions: Mapping[str, float] | None = None,
     ) -> None:
         super().__init__()
         self.tables = tuple(tables)
+        self.slices = (
+            tuple(slices) if slices is not None else tuple(TableSlice(table=t) for t in self.tables)
+        )
+        if len(self.slices) != len(self.tables):
+            raise ValueError(f"{len(self.slices)} slices for {len(self.tables)} tables")
         self.feature_names = feature_order(self.tables)
         self.feature_dims = tuple(t.dim for t in self.tables for _ in t.feature_names)
         self.optimizer_spec = optimizer
@@ -205,6 +219,12 @@ class CachedEmbeddingBagCollection(nn.Module):
         self.placements = _resolve_placements(self.tables, placements or {})
         cached = [t for t, p in zip(self.tables, self.placements) if p is not Placement.HOST]
         capacity = cache.capacities(cached, optimizer.kind)
+        for t in cached:
+            f = (fractions or {}).get(t.name)
+            if f is not None:
+                if not 0.0 <= f <= 1.0:
+                    raise ValueError(f"table {t.name!r}: cache fraction {f} is not in [0, 1]")
+                capacity[t.name] = min(t.num_embeddings, math.floor(f * t.num_embeddings))
         self._caches = {
             i: _TableCache(capacity[t.name], t.num_embeddings, cache.policy)
             for i, t in enumerate(self.tables)
@@ -224,11 +244,23 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._slot_home: dict[int, int] = {}  # table -> local index in the cache part
         self._build_parts(fused)
         #: The ``torch.optim`` surface; every part reads its hyperparameters.
-        self.fused_optimizer: FusedOptimizer = FusedOptimizer(optimizer, self)
-        for part in self._parts:
-            part.module.fused_optimizer = self.fused_optimizer
+        self.fused_optimizer = FusedOptimizer(optimizer, self)
         if cache.policy is CachePolicy.STATIC:
             self._pin_static(static_counts)
+
+    @property
+    def fused_optimizer(self) -> FusedOptimizer:
+        """The ``torch.optim``-surface object every part's fused backward reads.
+
+        A sharded collection sets its own, shared by all of its local modules.
+        """
+        return self._fused_optimizer
+
+    @fused_optimizer.setter
+    def fused_optimizer(self, optimizer: FusedOptimizer) -> None:
+        self._fused_optimizer = optimizer
+        for part in getattr(self, "_parts", ()):
+            part.module.fused_optimizer = optimizer
 
     # -- construction ---------------------------------------------------------------------
 
@@ -262,8 +294,10 @@ class CachedEmbeddingBagCollection(nn.Module):
                 ]
                 self._home.update({i: (len(self._parts), k) for k, i in enumerate(members)})
             device = "meta" if kind == _SSD else None
+            # the backing parts hold the (global) cells; the slots are filled by admission
+            slices = None if kind == _CACHE else [self.slices[i] for i in members]
             module = FusedEmbeddingBagCollection(
-                tables, self.optimizer_spec, device=device, **fused
+                tables, self.optimizer_spec, device=device, slices=slices, **fused
             )
             if kind == _SSD:
                 # scratch space, deleted with this module (a checkpoint holds the rows)

@@ -233,7 +233,7 @@ class RowwiseAcrossBlocks:
         self, group: BlockGroup, grad: torch.Tensor, features: SparseFeatures | None
     ) -> None:
         """Add the other blocks' share to the row state of this step's touched rows."""
-        local = group.local
+        local = group.fused_local()
         shares: dict[str, torch.Tensor] = {}
         runs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # local table -> (rows, S)
         if local is not None and features is not None:

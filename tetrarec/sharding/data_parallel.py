@@ -137,7 +137,7 @@ class _ReplicatedLookup(torch.autograd.Function):
         weights: torch.Tensor | None,
         anchor: torch.Tensor,
     ) -> torch.Tensor:
-        local = group.local
+        local = group.fused_local()
         assert local is not None
         sf = routed.features
         ctx.group, ctx.routed = group, routed
@@ -147,7 +147,7 @@ class _ReplicatedLookup(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         group: ReplicatedGroup = ctx.group
         routed: Routed = ctx.routed
-        local: FusedEmbeddingBagCollection | None = group.local
+        local: FusedEmbeddingBagCollection | None = group.fused_local()
         assert local is not None
         assert routed.gathered is not None
         comm = group.env.comm

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tetrarec.cache import CachedEmbeddingBagCollection, CacheSpec
 from tetrarec.comm import Handle
 from tetrarec.embedding import SparseOptimizerSpec, TableConfig, TableSlice
 from tetrarec.kernels import FusedEmbeddingBagCollection, FusedOptimizer
@@ -30,7 +31,7 @@ from tetrarec.sharding.env import ShardingEnv
 from tetrarec.sharding.plan import TablePlan
 from tetrarec.sharding.routing import Routed
 from tetrarec.sparse import SparseFeatures
-from tetrarec.types import PoolingMode
+from tetrarec.types import Placement, PoolingMode
 
 __all__ = ["LocalShard", "LookupOptions", "ShardedGroup", "select_features"]
 
@@ -45,6 +46,8 @@ class LookupOptions:
         deterministic: bitwise-reproducible backward.
         stochastic_rounding: round low-precision rows stochastically.
         check_bounds: check ids (done once, before they are sent).
+        cache: the policy, default size and SSD directory of the shards whose plan
+            placement is ``cached`` or ``ssd`` (default: LRU, the plan's fractions).
     """
 
     optimizer: SparseOptimizerSpec
@@ -52,6 +55,7 @@ class LookupOptions:
     deterministic: bool = True
     stochastic_rounding: bool = True
     check_bounds: bool = True
+    cache: CacheSpec | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,8 +153,34 @@ class ShardedGroup(nn.Module):
         self.feature_names = tuple(f for t in self.tables for f in t.feature_names)
         self.feature_dims = tuple(t.dim for t in self.tables for _ in t.feature_names)
         self.shards = tuple(local)
-        self.local: FusedEmbeddingBagCollection | None = None
-        if self.shards:
+        self.local: FusedEmbeddingBagCollection | CachedEmbeddingBagCollection | None = None
+        placed = {t.name: p.placement for t, p in tables}
+        cached = {
+            s.name: where
+            for s in self.shards
+            if (where := placed[s.table.name]) is not None
+            and where.placement in (Placement.CACHED, Placement.SSD)
+        }
+        if cached:
+            # each rank caches its own shards, at the plan's fraction of their rows
+            fractions = {n: w.cache_fraction for n, w in cached.items()}
+            spec = options.cache or CacheSpec(fraction=0.0)
+            self.local = CachedEmbeddingBagCollection(
+                [s.config() for s in self.shards],
+                options.optimizer,
+                spec,
+                placements={
+                    s.name: cached[s.name].placement if s.name in cached else Placement.HOST
+                    for s in self.shards
+                },
+                fractions={n: f for n, f in fractions.items() if f > 0},
+                check_bounds=False,
+                deterministic=options.deterministic,
+                stochastic_rounding=options.stochastic_rounding,
+                seed=options.seed,
+                slices=[s.slice() for s in self.shards],
+            )
+        elif self.shards:
             self.local = FusedEmbeddingBagCollection(
                 [s.config() for s in self.shards],
                 options.optimizer,
@@ -162,6 +192,15 @@ class ShardedGroup(nn.Module):
                 slices=[s.slice() for s in self.shards],
             )
         self.check_bounds = options.check_bounds
+
+    def fused_local(self) -> FusedEmbeddingBagCollection | None:
+        """The local kernels, where a stage needs the fused collection's own methods.
+
+        The global-batch update of replicated tables and the row-wise state across
+        column blocks; ``_check_placements`` keeps cached shards out of those stages.
+        """
+        assert not isinstance(self.local, CachedEmbeddingBagCollection)
+        return self.local
 
     @property
     def local_dim(self) -> int:

@@ -95,7 +95,7 @@ class TablePlacement:
         precision: the stored row precision.
 
     Raises:
-        ValueError: for a fraction outside [0, 1), or a cache on an uncached placement.
+        ValueError: for a fraction outside [0, 1], or a cache on an uncached placement.
     """
 
     placement: Placement
@@ -103,8 +103,8 @@ class TablePlacement:
     precision: Precision
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.cache_fraction < 1.0:
-            raise ValueError(f"cache_fraction must be in [0, 1), got {self.cache_fraction}")
+        if not 0.0 <= self.cache_fraction <= 1.0:
+            raise ValueError(f"cache_fraction must be in [0, 1], got {self.cache_fraction}")
         if self.cache_fraction and self.placement in (Placement.DEVICE, Placement.HOST):
             raise ValueError(f"a {self.placement.value} placement has no cache")
 

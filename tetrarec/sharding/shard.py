@@ -28,6 +28,7 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from tetrarec.cache import CacheSpec
 from tetrarec.comm.ddp_hook import sum_gradients_hook
 from tetrarec.kernels import FusedEmbeddingBagCollection
 from tetrarec.sharding.env import ShardingEnv
@@ -78,15 +79,24 @@ def _tables_fact(module: FusedEmbeddingBagCollection) -> str:
 
 
 def shard_collection(
-    module: FusedEmbeddingBagCollection, plan: ShardingPlan, env: ShardingEnv
+    module: FusedEmbeddingBagCollection,
+    plan: ShardingPlan,
+    env: ShardingEnv,
+    *,
+    cache: CacheSpec | None = None,
 ) -> ShardedEmbeddingBagCollection:
-    """The sharded version of ``module`` (its rows copied unless it is on meta)."""
+    """The sharded version of ``module`` (its rows copied unless it is on meta).
+
+    ``cache``: policy, default size and SSD directory of the shards the plan places
+    ``cached`` or ``ssd``.
+    """
     options = LookupOptions(
         optimizer=module.optimizer_spec,
         seed=module.seed,
         deterministic=module.deterministic,
         stochastic_rounding=module.stochastic_rounding,
         check_bounds=module.check_bounds,
+        cache=cache,
     )
     sharded = ShardedEmbeddingBagCollection(module.tables, plan, env, options)
     on_meta = any(s.device.type == "meta" for s in module.storages())
@@ -103,6 +113,7 @@ def shard_model(
     env: ShardingEnv,
     *,
     agree_on: Mapping[str, Any] | None = None,
+    cache: CacheSpec | None = None,
 ) -> nn.Module:
     """Shard ``model``'s embedding collections by ``plan``; wrap its dense part in DDP.
 
@@ -111,6 +122,8 @@ def shard_model(
         plan: where the tables' blocks go.
         env: the process groups, topology and device.
         agree_on: more facts every rank must share (for example the run's config).
+        cache: the row caches of tables the plan places ``cached`` or ``ssd``
+            (``shard_collection``).
 
     Returns:
         ``model`` wrapped in ``DistributedDataParallel`` (or ``model`` itself in a
@@ -139,7 +152,7 @@ def shard_model(
     }
     check_ranks_agree(env, facts)
     for name, module in found:
-        sharded = shard_collection(module, plan, env)
+        sharded = shard_collection(module, plan, env, cache=cache)
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, sharded)
     if env.world_size == 1:

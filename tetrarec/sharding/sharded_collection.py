@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from tetrarec.cache import CachedEmbeddingBagCollection
 from tetrarec.comm import Handle
 from tetrarec.embedding import TableConfig, feature_order
 from tetrarec.kernels import FusedEmbeddingBagCollection, FusedOptimizer
@@ -34,16 +35,21 @@ from tetrarec.sharding.plan import ShardingPlan, TablePlan
 from tetrarec.sharding.routing import BlockColumns, place_columns
 from tetrarec.sharding.strategy import GROUPS, STRATEGIES
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures, permute_keys
-from tetrarec.types import Placement
+from tetrarec.types import OptimizerKind, Placement, ShardingType
 
 __all__ = ["ShardedEmbeddingBagCollection"]
 
 
-def _check_placements(plan: ShardingPlan, env: ShardingEnv, tables: Sequence[TableConfig]) -> None:
-    """Refuse placements the shards cannot honour yet.
+def _check_placements(
+    plan: ShardingPlan, env: ShardingEnv, tables: Sequence[TableConfig], options: LookupOptions
+) -> None:
+    """Refuse placements the shards cannot honour.
 
-    Shards keep their rows in the rank's own memory (host memory on a CPU rank, device
-    memory on an accelerator), uncached, at the table's configured precision.
+    Rows live in the rank's own memory (host memory on a CPU rank, device memory on an
+    accelerator) at the table's configured precision; on a CPU rank a shard may also be
+    ``cached`` or ``ssd`` (``tetrarec.cache``: each rank caches its own shards), except
+    for data-parallel tables (every replica applies the global batch's update) and
+    column blocks of a row-wise optimizer (their row state is shared across blocks).
 
     Raises:
         ValueError: naming the tables and their placements.
@@ -60,18 +66,31 @@ def _check_placements(plan: ShardingPlan, env: ShardingEnv, tables: Sequence[Tab
             "the config's: give those tables that precision in the config (model.precision "
             "or per table), or plan without a precision choice"
         )
-    here = Placement.HOST if env.device.type in ("cpu", "meta") else Placement.DEVICE
-    other = [
-        f"{tp.table} ({tp.placement.describe()})"
-        for tp in plan
-        if tp.placement is not None and tp.placement.placement is not here
-    ]
-    if other:
+    on_cpu = env.device.type in ("cpu", "meta")
+    here = Placement.HOST if on_cpu else Placement.DEVICE
+    allowed = {here, Placement.CACHED, Placement.SSD} if on_cpu else {here}
+    rowwise = options.optimizer.kind in (OptimizerKind.ROWWISE_ADAGRAD, OptimizerKind.ROWWISE_ADAM)
+    no_cache = {ShardingType.DATA_PARALLEL}
+    if rowwise:
+        no_cache |= {ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE}
+    bad = []
+    for tp in plan:
+        where = tp.placement
+        if where is None or where.placement is here:
+            continue
+        if where.placement not in allowed or tp.sharding in no_cache:
+            bad.append(f"{tp.table} ({tp.sharding.value}, {where.describe()})")
+    if bad:
         raise ValueError(
-            f"the sharding plan places tables {', '.join(other)} outside this rank's "
-            f"{here.value} memory; sharded tables keep their rows in {here.value} memory, "
-            "uncached, for now (the row cache and the SSD tier run in one process only): "
-            "plan with a topology whose only tier is that memory, or with more ranks"
+            f"the sharding plan places tables {', '.join(bad)} where their shards cannot "
+            f"live: a sharded table's rows stay in this rank's {here.value} memory"
+            + (
+                ", or cached / on SSD (tetrarec.cache) unless the table is data-parallel "
+                "or split into column blocks with a row-wise optimizer"
+                if on_cpu
+                else " (the row cache runs on CPU ranks)"
+            )
+            + ": plan those tables otherwise"
         )
 
 
@@ -100,7 +119,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.tables = tuple(tables)
         plan.validate(self.tables)
         plan.check_world(env.world_size, env.local_world_size)
-        _check_placements(plan, env, self.tables)
+        _check_placements(plan, env, self.tables, options)
         self.plan, self.env, self.options = plan, env, options
         self.feature_names = feature_order(self.tables)
         self.feature_dims = tuple(t.dim for t in self.tables for _ in t.feature_names)
@@ -132,7 +151,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def _groups(self) -> list[ShardedGroup]:
         return [g for g in self.groups if isinstance(g, ShardedGroup)]
 
-    def _locals(self) -> list[FusedEmbeddingBagCollection]:
+    def _locals(self) -> list[FusedEmbeddingBagCollection | CachedEmbeddingBagCollection]:
         return [g.local for g in self._groups() if g.local is not None]
 
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:

@@ -18,11 +18,12 @@ spawn can run a list of cases.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from tetrarec.cache import CachedEmbeddingBagCollection, CacheSpec
 from tetrarec.embedding import SparseOptimizerSpec, TableConfig
 from tetrarec.kernels import FusedEmbeddingBagCollection
 from tetrarec.sharding import (
@@ -30,13 +31,14 @@ from tetrarec.sharding import (
     ShardedEmbeddingBagCollection,
     ShardingEnv,
     ShardingPlan,
+    TablePlacement,
     plan_by_type,
     shard_collection,
 )
 from tetrarec.sharding.state_dict import local_blocks, unshard
 from tetrarec.sparse import SparseFeatures
 from tetrarec.testing.multiprocess import RankContext
-from tetrarec.types import ShardingType
+from tetrarec.types import Placement, ShardingType
 
 __all__ = [
     "EquivalenceCase",
@@ -69,6 +71,10 @@ class EquivalenceCase:
         weight_grad: the per-id weights require grad; their gradient is compared too.
         warm_start_steps: train a one-process collection for this many steps first, then
             shard it (``shard_collection``: rows, optimizer state and rounding copied).
+        placement: ``"host"``, or ``"cached"`` / ``"ssd"``: every table's rows behind an
+            FP32 cache of ``cache_fraction`` of its rows (LRU); the reference is then the
+            one-process ``CachedEmbeddingBagCollection`` and each rank caches its shards.
+        cache_fraction: the cached share of each table's (and each shard's) rows.
     """
 
     name: str
@@ -86,19 +92,55 @@ class EquivalenceCase:
     exact: bool = False
     weight_grad: bool = False
     warm_start_steps: int = 0
+    placement: str = "host"
+    cache_fraction: float = 0.0
 
     def sharding_plan(self, world_size: int, local_world_size: int) -> ShardingPlan:
-        """The case's plan for this world."""
+        """The case's plan for this world (with the case's placement on every table)."""
         if self.plan is not None:
-            return ShardingPlan.from_dict(self.plan)
-        kinds = [ShardingType.parse(t) for t in self.types]
-        types: ShardingType | list[ShardingType] = kinds[0] if len(kinds) == 1 else kinds
-        return plan_by_type(
+            plan = ShardingPlan.from_dict(self.plan)
+        else:
+            kinds = [ShardingType.parse(t) for t in self.types]
+            types: ShardingType | list[ShardingType] = kinds[0] if len(kinds) == 1 else kinds
+            plan = plan_by_type(
+                self.tables,
+                types,
+                world_size=world_size,
+                local_world_size=local_world_size,
+                column_block=self.column_block,
+            )
+        if self.placement == "host":
+            return plan
+        precision = {t.name: t.precision for t in self.tables}
+        placed = tuple(
+            replace(
+                tp,
+                placement=TablePlacement(
+                    placement=Placement.parse(self.placement),
+                    cache_fraction=self.cache_fraction,
+                    precision=precision[tp.table],
+                ),
+            )
+            for tp in plan.tables
+        )
+        return replace(plan, tables=placed)
+
+    def one_process(self) -> FusedEmbeddingBagCollection | CachedEmbeddingBagCollection:
+        """The reference collection (the same seed as every layout)."""
+        if self.placement == "host":
+            return FusedEmbeddingBagCollection(
+                self.tables,
+                self.optimizer,
+                seed=self.seed,
+                stochastic_rounding=self.stochastic_rounding,
+            )
+        return CachedEmbeddingBagCollection(
             self.tables,
-            types,
-            world_size=world_size,
-            local_world_size=local_world_size,
-            column_block=self.column_block,
+            self.optimizer,
+            CacheSpec(fraction=self.cache_fraction),
+            placements={t.name: self.placement for t in self.tables},
+            seed=self.seed,
+            stochastic_rounding=self.stochastic_rounding,
         )
 
 
@@ -136,7 +178,10 @@ def _run_case(ctx: RankContext, case: EquivalenceCase) -> dict[str, Any]:
     env = ShardingEnv(ctx.comm, ctx.local_world_size)
     plan = case.sharding_plan(ctx.world_size, ctx.local_world_size)
     options = LookupOptions(
-        optimizer=case.optimizer, seed=case.seed, stochastic_rounding=case.stochastic_rounding
+        optimizer=case.optimizer,
+        seed=case.seed,
+        stochastic_rounding=case.stochastic_rounding,
+        cache=CacheSpec(fraction=case.cache_fraction) if case.placement != "host" else None,
     )
     outputs: list[torch.Tensor] = []
     weight_grads: list[torch.Tensor] = []
@@ -199,9 +244,7 @@ def sharded_cases_worker(ctx: RankContext, cases: Sequence[EquivalenceCase]) -> 
 
 def reference_run(case: EquivalenceCase) -> dict[str, Any]:
     """The one-process run of ``case``: outputs, rows and optimizer state."""
-    module = FusedEmbeddingBagCollection(
-        case.tables, case.optimizer, seed=case.seed, stochastic_rounding=case.stochastic_rounding
-    )
+    module = case.one_process()
     outputs, weight_grads = [], []
     for step in range(case.steps):
         bags, weights, grad = global_batch(case, step)

@@ -209,11 +209,6 @@ def build_parts(config: RunConfig, *, num_dense: int, describe_only: bool = Fals
         )
     torch.manual_seed(config.train.seed)  # the dense layers draw from the global RNG
     if describe_only:
-        if config.model.cached:
-            raise ValueError(
-                "model.placement 'cached' and 'ssd' run in one process for now; sharded "
-                "training needs model.placement = 'host'"
-            )
         if config.model.embedding is not EmbeddingKind.FUSED:
             raise ValueError(
                 f"sharded training needs model.embedding = 'fused' (it is "

@@ -20,6 +20,7 @@ each calls ``train``, which, seeing a launch of several ranks, does::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -32,11 +33,13 @@ from tetrarec.planner import plan as make_planned
 from tetrarec.sharding import (
     ShardingEnv,
     ShardingPlan,
+    TablePlacement,
     check_ranks_agree,
     plan_by_type,
     shard_model,
 )
 from tetrarec.train.build import RunParts, build_parts, build_tables, model_embeddings
+from tetrarec.types import Placement
 
 __all__ = ["make_plan", "run_datasets", "sharded_parts", "sharding_env"]
 
@@ -125,9 +128,42 @@ def make_plan(config: RunConfig, env: ShardingEnv) -> ShardingPlan:
             local_world_size=env.local_world_size,
             column_block=sc.column_block,
         )
+    plan = _with_config_placements(config, plan)
     if env.rank == 0:
         logger.info("%s", plan.describe(tables))
     return plan
+
+
+def _with_config_placements(config: RunConfig, plan: ShardingPlan) -> ShardingPlan:
+    """``plan`` with the config's ``cached`` and ``ssd`` tables placed so.
+
+    Each rank then caches its own shards, at ``[model.cache]``'s fraction (or its byte
+    budget per rank); other tables keep the plan's placement.
+    """
+    model = config.model
+    if not model.cached:
+        return plan
+    tables = build_tables(model)
+    wanted = {
+        t.name: (p, t.precision)
+        for t, p in zip(tables, model.table_placements)
+        if p in (Placement.CACHED, Placement.SSD)
+    }
+    fraction = model.cache.fraction or 0.0
+    placed = tuple(
+        dataclasses.replace(
+            tp,
+            placement=TablePlacement(
+                placement=wanted[tp.table][0],
+                cache_fraction=fraction,
+                precision=wanted[tp.table][1],
+            ),
+        )
+        if tp.table in wanted
+        else tp
+        for tp in plan
+    )
+    return dataclasses.replace(plan, tables=placed)
 
 
 def _planned(config: RunConfig, env: ShardingEnv) -> ShardingPlan:
@@ -145,7 +181,8 @@ def sharded_parts(config: RunConfig, env: ShardingEnv, *, num_dense: int) -> Run
     """The run's model, sharded by its plan, and its optimizers."""
     plan = make_plan(config, env)
     parts = build_parts(config, num_dense=num_dense, describe_only=True)
-    wrapped = shard_model(parts.model, plan, env)
+    cache = config.model.cache.spec() if config.model.cached else None
+    wrapped = shard_model(parts.model, plan, env, cache=cache)
     optimizer = getattr(model_embeddings(parts.model), "fused_optimizer", None)
     assert isinstance(optimizer, torch.optim.Optimizer)  # a sharded collection has one
     return RunParts(

@@ -151,7 +151,9 @@ def test_placements_round_trip_and_bad_ones_name_the_table():
 
 
 def test_the_sharded_collection_refuses_placements_it_cannot_honour():
-    """Catches a plan's SSD tier or precision silently ignored by the sharded runtime."""
+    """Catches a plan's tier, cache or precision silently ignored by the sharded runtime,
+    and a cache accepted where the shards' updates cannot keep it (data-parallel
+    replicas, column blocks sharing row-wise state)."""
     from tetrarec.comm import Communicator
     from tetrarec.embedding import SparseOptimizerSpec
     from tetrarec.sharding import ShardingEnv
@@ -159,17 +161,25 @@ def test_the_sharded_collection_refuses_placements_it_cannot_honour():
     from tetrarec.sharding.sharded_collection import ShardedEmbeddingBagCollection
 
     env = ShardingEnv(Communicator.single())
-    options = LookupOptions(optimizer=SparseOptimizerSpec(kind="sgd", lr=0.1), seed=0)
-    base = plan_by_type(TABLES, ShardingType.TABLE_WISE, world_size=1)
 
-    def placed(where: TablePlacement) -> ShardingPlan:
-        return replace(base, tables=tuple(replace(tp, placement=where) for tp in base.tables))
+    def build(kind: ShardingType, where: TablePlacement, optimizer: str = "sgd") -> None:
+        options = LookupOptions(optimizer=SparseOptimizerSpec(kind=optimizer, lr=0.1), seed=0)
+        base = plan_by_type(TABLES, kind, world_size=1)
+        plan = replace(base, tables=tuple(replace(tp, placement=where) for tp in base.tables))
+        ShardedEmbeddingBagCollection(TABLES, plan, env, options)
 
     host = TablePlacement(placement=Placement.HOST, precision=Precision.FP32)
-    ShardedEmbeddingBagCollection(TABLES, placed(host), env, options)  # honoured
     ssd = TablePlacement(placement=Placement.SSD, cache_fraction=0.05, precision=Precision.FP32)
-    with pytest.raises(ValueError, match=r"big \(ssd \+ 5% cache, fp32\).*host memory"):
-        ShardedEmbeddingBagCollection(TABLES, placed(ssd), env, options)
+    build(ShardingType.TABLE_WISE, host)  # honoured
+    build(ShardingType.TABLE_WISE, ssd)  # each rank caches its shards
+    build(ShardingType.COLUMN_WISE, ssd)  # element-wise state: the blocks are independent
+    with pytest.raises(ValueError, match=r"big \(data_parallel, ssd \+ 5% cache, fp32\)"):
+        build(ShardingType.DATA_PARALLEL, ssd)
+    with pytest.raises(ValueError, match=r"big \(column_wise, ssd"):
+        build(ShardingType.COLUMN_WISE, ssd, optimizer="rowwise_adagrad")
+    device = TablePlacement(placement=Placement.DEVICE, precision=Precision.FP32)
+    with pytest.raises(ValueError, match=r"big \(table_wise, device, fp32\).*host memory"):
+        build(ShardingType.TABLE_WISE, device)
     int8 = TablePlacement(placement=Placement.HOST, precision=Precision.INT8)
     with pytest.raises(ValueError, match=r"big \(fp32 -> int8\)"):
-        ShardedEmbeddingBagCollection(TABLES, placed(int8), env, options)
+        build(ShardingType.TABLE_WISE, int8)
