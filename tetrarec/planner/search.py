@@ -509,7 +509,12 @@ def _search(inputs: PlannerInputs, margin: float) -> tuple[ShardingPlan, tuple[T
     if failures:
         raise PlannerError(failures, _hint(inputs))
     st.keep_free(0.0)
-    _improve(st, inputs, chosen)
+    for _ in range(8):  # moves, then swaps, until neither helps
+        before = float(st.times().max())
+        _improve(st, inputs, chosen)
+        _swap(st, chosen)
+        if float(st.times().max()) >= before - 1e-12:
+            break
     choices = tuple(_choice(inputs, t, *chosen[t.name]) for t in inputs.tables)
     plan = ShardingPlan(
         world_size=topo.world_size,
@@ -682,6 +687,71 @@ def _improve(
         st.add((r,), ev.cost)
         ev.ranks = (r,)
         chosen[name] = (opt, ev, reason + f"; moved from rank {worst} to balance", n)
+
+
+#: Ranks (least loaded first) whose table-wise tables the slowest rank's may swap with.
+SWAP_PARTNERS = 4
+#: Swap rounds at most (each one strictly lowers the slowest rank's time).
+SWAP_ROUNDS = 256
+
+
+def _swap(st: _Ranks, chosen: dict[str, tuple[Option, _Eval, str, int]]) -> None:
+    """Swap table-wise tables between the slowest rank and a less loaded one.
+
+    A swap is taken while it lowers the slowest time and every memory limit holds.
+    Moves alone stop when no single table fits the gap between two ranks; a swap moves
+    only the difference of two tables' costs (the classic 2-exchange after LPT).
+    """
+    on: dict[int, list[str]] = {}
+    for name in sorted(chosen):
+        opt, ev, _, _ = chosen[name]
+        if opt.sharding is ShardingType.TABLE_WISE:
+            on.setdefault(ev.ranks[0], []).append(name)
+    for _ in range(SWAP_ROUNDS):
+        times = st.times()
+        worst = int(np.argmax(times))
+        current = float(times[worst])
+        partners = [int(r) for r in np.argsort(times, kind="stable")[:SWAP_PARTNERS]]
+        best: tuple[float, str, str, int] | None = None
+        for a in on.get(worst, []):
+            ca = chosen[a][1].cost
+            for r in partners:
+                if r == worst:
+                    continue
+                for b in on.get(r, []):
+                    cb = chosen[b][1].cost
+                    if (
+                        cb.lookup_s >= ca.lookup_s
+                        and cb.bytes_in >= ca.bytes_in
+                        and cb.bytes_out >= ca.bytes_out
+                    ):
+                        continue  # b costs at least what a does: the slowest cannot gain
+                    st.add((worst,), ca, -1.0)
+                    st.add((r,), cb, -1.0)
+                    st.add((worst,), cb)
+                    st.add((r,), ca)
+                    fits = bool((st.mem <= st.cap + 1e-6).all())
+                    new = float(st.times().max())
+                    st.add((worst,), cb, -1.0)
+                    st.add((r,), ca, -1.0)
+                    st.add((worst,), ca)
+                    st.add((r,), cb)
+                    if fits and new < current - 1e-12 and (best is None or new < best[0]):
+                        best = (new, a, b, r)
+        if best is None:
+            return
+        _, a, b, r = best
+        ca, cb = chosen[a][1].cost, chosen[b][1].cost
+        st.add((worst,), ca, -1.0)
+        st.add((r,), cb, -1.0)
+        st.add((worst,), cb)
+        st.add((r,), ca)
+        for name, src, dst in ((a, worst, r), (b, r, worst)):
+            opt, ev, reason, n = chosen[name]
+            ev.ranks = (dst,)
+            chosen[name] = (opt, ev, reason + f"; swapped from rank {src} to rank {dst}", n)
+        on[worst] = sorted([*(x for x in on[worst] if x != a), b])
+        on[r] = sorted([*(x for x in on[r] if x != b), a])
 
 
 def _choice(

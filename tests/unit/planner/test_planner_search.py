@@ -248,3 +248,46 @@ def test_predict_prices_any_plan_as_the_planner_prices_its_own() -> None:
     assert piled.step_s > report.step_s
     with pytest.raises(ValueError, match="plan is for 2 ranks"):
         predict(inputs, plan_by_type(tables, ShardingType.TABLE_WISE, world_size=2))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_no_single_move_or_swap_of_table_wise_tables_lowers_the_step(seed: int) -> None:
+    """Catches a local improvement that stops early: after the search, neither moving one
+    table-wise table off the slowest rank nor swapping it with a table of another rank
+    may lower the predicted step (all ranks are swap partners at W = 4)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    tables = tuple(
+        TableSpec(
+            name=f"T{i}",
+            rows=int(rng.integers(1_000, 50_000)),
+            dim=32,
+            features=(f"F{i}",),
+            stats=(AccessStats(mean_pooling=float(rng.integers(1, 20))),),
+        )
+        for i in range(14)
+    )
+    topo = _topology(device_memory=0.0, host_memory=1e9)
+    inputs = _inputs(tables=tables, topology=topo)
+    sharding_plan, report = plan(inputs)
+    best = report.step_s
+    worst = max(report.ranks, key=lambda r: r.step_s).rank
+    tw = [tp for tp in sharding_plan if tp.sharding is ShardingType.TABLE_WISE]
+
+    def moved(changes: dict[str, int]) -> float:
+        tabs = tuple(
+            replace(tp, shards=(replace(tp.shards[0], rank=changes[tp.table]),))
+            if tp.table in changes
+            else tp
+            for tp in sharding_plan
+        )
+        return predict(inputs, replace(sharding_plan, tables=tabs)).step_s
+
+    for a in (tp for tp in tw if tp.shards[0].rank == worst):
+        for r in range(4):
+            if r != worst:
+                assert moved({a.table: r}) >= best - 1e-12, ("move", a.table, r)
+        for b in (tp for tp in tw if tp.shards[0].rank != worst):
+            swap = {a.table: b.shards[0].rank, b.table: worst}
+            assert moved(swap) >= best - 1e-12, ("swap", a.table, b.table)
