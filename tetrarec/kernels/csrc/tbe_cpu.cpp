@@ -333,13 +333,19 @@ inline void prefetch_row(const uint8_t* p, int64_t bytes) {
 
 // Exclusive prefix sum of the bag lengths: (F*B+1,) offsets. Serial: cheap next to the
 // lookups, and it avoids a parallel region per call.
-inline std::vector<int64_t> offsets_of(const at::Tensor& lengths) {
+inline void offsets_into(const at::Tensor& lengths, std::vector<int64_t>* out) {
   TETRAREC_CHECK(lengths.is_contiguous(), "tetrarec tbe: lengths must be contiguous");
-  std::vector<int64_t> off(lengths.numel() + 1, 0);
+  std::vector<int64_t>& off = *out;
+  off.resize(lengths.numel() + 1);
+  off[0] = 0;
   AT_DISPATCH_INDEX_TYPES(lengths.scalar_type(), "tbe_offsets", [&] {
     const index_t* l = lengths.data_ptr<index_t>();
     for (int64_t i = 0; i < lengths.numel(); ++i) off[i + 1] = off[i] + static_cast<int64_t>(l[i]);
   });
+}
+inline std::vector<int64_t> offsets_of(const at::Tensor& lengths) {
+  std::vector<int64_t> off;
+  offsets_into(lengths, &off);
   return off;
 }
 
@@ -634,7 +640,10 @@ std::tuple<at::Tensor, at::Tensor> tbe_row_gradient_shares(
   TETRAREC_CHECK(values.numel() < (int64_t(1) << 31) && all.F * g.size(0) < (int64_t(1) << 31),
               "tetrarec tbe row shares: batch too large: ", values.numel(), " ids and ",
               all.F * g.size(0), " bags, each must be below 2^31");
-  const std::vector<int64_t> offsets = offsets_of(lengths);
+  // Reused across calls: a column-split table's blocks call this once per block and
+  // step, each time for the whole batch's bags.
+  thread_local std::vector<int64_t> offsets;
+  offsets_into(lengths, &offsets);
   BackwardArgs A;
   A.M = &one.M;
   A.B = g.size(0);

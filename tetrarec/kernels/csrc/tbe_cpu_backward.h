@@ -211,23 +211,28 @@ const uint64_t* sorted_keys(const BackwardArgs& A, const Idx* values, Scratch& S
   uint64_t* keys = S.keys.data();
   int32_t* seg = S.seg.data();
   std::atomic<int64_t> bad_pos{N};
+  // seg is read only for the keys' positions: the features of other stores (t < 0,
+  // as every other table's for row_shares_impl) are skipped whole.
   at::parallel_for(0, M.F * A.B, 2048, [&](int64_t s0, int64_t s1) {
     int64_t bad = N;
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t f = s / A.B, t = M.feat_table[f];
-      const int64_t j0 = A.offsets[s], j1 = A.offsets[s + 1];
-      if (by_position)
-        for (int64_t j = j0; j < j1; ++j) seg[j] = static_cast<int32_t>(s);
+    for (int64_t f = s0 / A.B; f * A.B < s1; ++f) {
+      const int64_t t = M.feat_table[f];
       if (t < 0) continue;
       const int64_t rows = M.rows[t], roff = M.row_off[t], sk = skipped[f];
-      for (int64_t j = j0; j < j1; ++j) {
-        const int64_t id = static_cast<int64_t>(values[j]);
-        if (id < 0 || id >= rows) {
-          bad = std::min(bad, j);
-          continue;
+      const int64_t b1 = std::min(s1, (f + 1) * A.B);
+      for (int64_t s = std::max(s0, f * A.B); s < b1; ++s) {
+        const int64_t j0 = A.offsets[s], j1 = A.offsets[s + 1];
+        if (by_position)
+          for (int64_t j = j0; j < j1; ++j) seg[j] = static_cast<int32_t>(s);
+        for (int64_t j = j0; j < j1; ++j) {
+          const int64_t id = static_cast<int64_t>(values[j]);
+          if (id < 0 || id >= rows) {
+            bad = std::min(bad, j);
+            continue;
+          }
+          const uint64_t low = static_cast<uint64_t>(by_position ? j : s);
+          keys[j - sk] = static_cast<uint64_t>(roff + id) << 32 | low;
         }
-        const uint64_t low = static_cast<uint64_t>(by_position ? j : s);
-        keys[j - sk] = static_cast<uint64_t>(roff + id) << 32 | low;
       }
     }
     if (bad < N) {
@@ -551,11 +556,22 @@ void row_shares_impl(const at::Tensor& weights, const BackwardArgs& A, const Idx
   int64_t* rows = rows_out->data_ptr<int64_t>();
   float* share = share_out->data_ptr<float>();
   const int64_t D = M.dims[t], roff = M.row_off[t], bytes = Codec::width(D) * Codec::kElem;
+  // The ids' gradient rows (and, with weight decay, the table rows) are read at random:
+  // prefetch those of the ids kIdsAhead positions ahead so that the reads overlap.
+  constexpr int64_t kIdsAhead = 16;
   at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> w(D), acc(D);
+    int64_t f;
+    float L;
     for (int64_t p = p0; p < p1; ++p) {
-      int64_t u = first[p];
+      int64_t u = first[p], kp = bounds[p];
       for (int64_t k = bounds[p]; k < bounds[p + 1]; ++u) {
+        for (const int64_t ke = std::min(bounds[p + 1], k + kIdsAhead); kp < ke; ++kp) {
+          prefetch_row(
+              reinterpret_cast<const uint8_t*>(C.grads->row(C.bag_of(keys[kp]), &f, &L)), D * 4);
+          if (A.wd != 0.0f && (kp == bounds[p] || (keys[kp] >> 32) != (keys[kp - 1] >> 32)))
+            prefetch_row(table + (static_cast<int64_t>(keys[kp] >> 32) - roff) * bytes, bytes);
+        }
         const int64_t row = static_cast<int64_t>(keys[k] >> 32) - roff;
         if (A.wd != 0.0f) Codec::load(table + row * bytes, D, w.data());
         sum_row_grads(C, &k, bounds[p + 1], D, w.data(), acc.data());
