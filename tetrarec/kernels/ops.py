@@ -4,12 +4,13 @@ Each op is defined once with ``torch.library.custom_op``; its default implementa
 the portable one in ``reference.py`` (any device), and the CPU kernel is the compiled
 one from ``csrc/`` when it builds (see ``_build.py``). Callers never branch on device.
 
-The ops: ``tbe_forward`` and ``tbe_backward_update`` (table-batched embedding), two
-of the dense path, ``dot_interaction`` (differentiable) and ``round_to_bf16_out`` (the
-BF16 emulation's rounding), which use the compiled kernel for contiguous FP32 tensors
-only, and ``copy_row_runs`` (how sharded collections move column blocks; any dtype).
+The ops: ``tbe_forward``, ``tbe_backward_update`` and ``tbe_row_gradient_shares``
+(table-batched embedding), two of the dense path, ``dot_interaction``
+(differentiable) and ``round_to_bf16_out`` (the BF16 emulation's rounding), which use
+the compiled kernel for contiguous FP32 tensors only, and ``copy_row_runs`` (how
+sharded collections move column blocks; any dtype).
 
-Arguments shared by the two table-batched ops, for one row store (the tables of one
+Arguments shared by the table-batched ops, for one row store (the tables of one
 precision)::
 
     weights  (sum_t rows_t * width_t,)  flat rows; table t starts at w_offsets[t]
@@ -45,6 +46,7 @@ __all__ = [
     "round_to_bf16_out",
     "tbe_backward_update",
     "tbe_forward",
+    "tbe_row_gradient_shares",
 ]
 
 
@@ -181,6 +183,95 @@ def _tbe_backward_update_fake(
 ) -> torch.Tensor:
     n = values.numel() if per_sample_weights is not None and flags[4] else 0
     return grad_out.new_empty(n)
+
+
+@torch.library.custom_op("tetrarec::tbe_row_gradient_shares", mutates_args=())
+def tbe_row_gradient_shares(
+    grad_out: torch.Tensor,
+    weights: torch.Tensor,
+    meta: list[torch.Tensor],
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    table: int,
+    weight_decay: float,
+    precision: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One table's touched rows and per-row sums of squared gradients; updates nothing.
+
+    What a row-wise optimizer (row-wise Adagrad, row-wise Adam) sums over a row's
+    columns: ``sum_d g'_d^2`` with ``g' = g + weight_decay * w``, ``g`` the row's summed
+    gradient exactly as ``tbe_backward_update`` sums it (mean pooling and per-id weights
+    included, duplicates in position order) and ``w`` the row's current value. A
+    column-split table's blocks exchange these shares (``sharding/block_group.py``).
+    The squares are added in column order: the compiled kernel's result is bitwise
+    equal to ``reference.row_gradient_shares`` and to the sum its own row-wise update
+    adds, and deterministic across thread counts.
+
+    Args:
+        grad_out: ``(B, sum dims)`` gradient of the pooled output.
+        weights: the store's flat rows (read only: for weight decay).
+        meta: see the module docstring.
+        values: ids.
+        lengths: bag lengths.
+        per_sample_weights: optional per-id weights.
+        table: the table's index in the store (``0 .. T-1``); only its features count.
+        weight_decay: added to the gradient as ``weight_decay * w`` when non-zero.
+        precision: the row precision.
+
+    Returns:
+        ``(rows, share)``: ``(U,)`` int64 touched rows of the table (sorted, unique,
+        table-local) and ``(U,)`` FP32 sums of squares.
+
+    Raises:
+        RuntimeError: for ``table`` outside the store, or an id of the table's features
+            outside the table (naming the feature's index and the id).
+    """
+    return reference.row_gradient_shares(
+        grad_out, weights, meta, table, values, lengths, per_sample_weights,
+        weight_decay, precision,
+    )  # fmt: skip
+
+
+@tbe_row_gradient_shares.register_kernel("cpu")
+def _tbe_row_gradient_shares_cpu(
+    grad_out: torch.Tensor,
+    weights: torch.Tensor,
+    meta: list[torch.Tensor],
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    table: int,
+    weight_decay: float,
+    precision: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    ext = compiled_cpu_kernels()
+    if ext is None:
+        return reference.row_gradient_shares(
+            grad_out, weights, meta, table, values, lengths, per_sample_weights,
+            weight_decay, precision,
+        )  # fmt: skip
+    shares: tuple[torch.Tensor, torch.Tensor] = ext.tbe_row_gradient_shares(
+        grad_out, weights, meta, values, lengths, per_sample_weights,
+        table, weight_decay, precision,
+    )  # fmt: skip
+    return shares
+
+
+@tbe_row_gradient_shares.register_fake
+def _tbe_row_gradient_shares_fake(
+    grad_out: torch.Tensor,
+    weights: torch.Tensor,
+    meta: list[torch.Tensor],
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    table: int,
+    weight_decay: float,
+    precision: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    touched = torch.library.get_ctx().new_dynamic_size()  # data-dependent: unique ids
+    return values.new_empty(touched, dtype=torch.int64), grad_out.new_empty(touched)
 
 
 # -- DLRM dot interaction ---------------------------------------------------------------

@@ -31,6 +31,7 @@ __all__ = [
     "dot_interaction_forward",
     "pooled_forward",
     "rounding_noise",
+    "row_gradient_shares",
     "summed_row_gradients",
     "table_view",
 ]
@@ -209,6 +210,48 @@ def summed_row_gradients(
         grad_out, weights, host, t, values, offsets, per_sample_weights, None, Precision(precision)
     )
     return _sum_duplicates(ids, grads, deterministic=True)
+
+
+def row_gradient_shares(
+    grad_out: torch.Tensor,
+    weights: torch.Tensor,
+    meta: list[torch.Tensor],
+    t: int,
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    weight_decay: float,
+    precision: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Table ``t``'s touched rows ``(U,)`` (sorted) and ``sum_d g'_d^2`` per row ``(U,)``.
+
+    ``g' = g + weight_decay * w``: ``g`` the summed gradient of ``summed_row_gradients``,
+    ``w`` the row's current value (decoded). The squares are added in column order
+    (``0 + g'_0^2 + g'_1^2 + ...``, as the compiled kernel's row-wise rules and its
+    ``tbe_row_gradient_shares`` add them), so the result is bitwise the compiled op's.
+    ``(g' * g').sum(1)`` adds in another order and may differ from it in the last bits
+    (relative difference at most about ``2 * D * 2^-24``: every term is non-negative).
+
+    Raises:
+        RuntimeError: as the compiled op, for an id of table ``t`` outside the table.
+    """
+    host = [m.tolist() for m in meta]
+    one_table = [*host[:4], [tt if tt == t else -1 for tt in host[4]], *host[5:]]
+    offsets = offsets_from_lengths(lengths.long())
+    _check_ids_before_update(values, offsets, one_table, grad_out.shape[0])
+    prec = Precision(precision)
+    ids, grads = _per_id_grads(
+        grad_out, weights, host, t, values, offsets, per_sample_weights, None, prec
+    )
+    uniq, g = _sum_duplicates(ids, grads, deterministic=True)  # (U,), (U, D)
+    if weight_decay:
+        w_off, dims, rows = host[0][t], host[1][t], host[2][t]
+        w = decode_rows(table_view(weights, prec, w_off, rows, dims)[uniq], prec, dims)
+        g = g + weight_decay * w  # two roundings, as the kernel's g += wd * w (no FMA)
+    share = torch.zeros(uniq.numel(), device=g.device)
+    for d in range(g.shape[1]):  # column order: the kernel's sequential sum
+        share = share + g[:, d] * g[:, d]
+    return uniq, share
 
 
 def _check_ids_before_update(

@@ -377,6 +377,52 @@ class FusedEmbeddingBagCollection(nn.Module):
         current = decode_rows(self._table_rows(table)[uniq], t.precision, t.dim)
         return uniq, grads, current
 
+    def row_gradient_shares(
+        self,
+        table: int,
+        grad_out: torch.Tensor,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        psw: torch.Tensor | None,
+        weight_decay: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per touched row of table ``table``: ``sum_d g'_d^2`` the next update would use.
+
+        ``g' = g + weight_decay * w``, with ``g`` the summed gradient the next
+        ``apply_gradients`` would apply to the row and ``w`` its current value: the sum
+        a row-wise optimizer adds over the row's columns, which a column-split table's
+        blocks share (``sharding/block_group.py``). One ``tetrarec::tbe_row_gradient_shares``
+        call (compiled: the fused backward's sort and sums, nothing updated).
+
+        Args:
+            table: the table's index in ``tables``.
+            grad_out: ``(B, sum D)`` gradient of the pooled output.
+            values: the ids (key-major, feature order).
+            lengths: their bag lengths.
+            psw: per-id weights, if any.
+            weight_decay: the optimizer's weight decay (``0.0``: none).
+
+        Returns:
+            ``(rows (U,) int64, sorted and unique; share (U,) FP32)``.
+
+        Raises:
+            ValueError: for an id of the table's features outside the table (when the
+                kernel finds one), naming the feature and the id.
+        """
+        s, _ = self._where[table]
+        store = self._stores[s]
+        meta, _ = self._cached_meta(s)
+        local = store.tables.index(table)
+        try:
+            rows, share = ops.tbe_row_gradient_shares(
+                grad_out.contiguous(), self._storage(s), meta, values, lengths, psw,
+                local, float(weight_decay), store.precision.value,
+            )  # fmt: skip
+        except RuntimeError:
+            self._raise_named_bounds_error(values, lengths)
+            raise
+        return rows, share
+
     def table_weights(self) -> dict[str, torch.Tensor]:
         """``{table name: (rows, dim) FP32}``, dequantized for low-precision tables."""
         out = {}

@@ -232,7 +232,12 @@ class RowwiseAcrossBlocks:
     def adjust(
         self, group: BlockGroup, grad: torch.Tensor, features: SparseFeatures | None
     ) -> None:
-        """Add the other blocks' share to the row state of this step's touched rows."""
+        """Add the other blocks' share to the row state of this step's touched rows.
+
+        Each local block's share comes from ``FusedEmbeddingBagCollection.
+        row_gradient_shares`` (one ``tetrarec::tbe_row_gradient_shares`` call: the sum of
+        squares the kernel's own row-wise update of the block adds, bitwise).
+        """
         local = group.fused_local()
         shares: dict[str, torch.Tensor] = {}
         runs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # local table -> (rows, S)
@@ -240,13 +245,13 @@ class RowwiseAcrossBlocks:
             for name, indices in self.local_runs.items():
                 total = None
                 for i in indices:
-                    rows, g, w = local.row_gradients(
-                        i, grad, features.values, features.lengths, features.weights
-                    )
-                    if self.weight_decay:
-                        g = g + self.weight_decay * w
-                    share = (g * g).sum(1)  # (U,)
-                    runs[i] = (rows, share)
+                    # One compiled pass per block: the backward's own sort and sums,
+                    # the squares added as its row-wise rule adds them.
+                    rows, share = local.row_gradient_shares(
+                        i, grad, features.values, features.lengths, features.weights,
+                        self.weight_decay,
+                    )  # fmt: skip
+                    runs[i] = (rows, share)  # (U,), (U,)
                     total = share if total is None else total + share
                 assert total is not None
                 shares[name] = total

@@ -9,6 +9,8 @@
 // Backward: (row key, position) pairs are radix-sorted (stable, so duplicates of a row
 // are summed in position order whatever the thread count: bitwise deterministic), then
 // each unique row is decoded, updated by the optimizer rule and encoded in place.
+// Row shares: the backward's sort and gradient sums for one table, reporting per touched
+// row the sum of squares the row-wise rules use instead of updating (column-split tables).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -26,6 +28,7 @@
 #include <cstring>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #if defined(__F16C__)
@@ -330,13 +333,19 @@ inline void prefetch_row(const uint8_t* p, int64_t bytes) {
 
 // Exclusive prefix sum of the bag lengths: (F*B+1,) offsets. Serial: cheap next to the
 // lookups, and it avoids a parallel region per call.
-inline std::vector<int64_t> offsets_of(const at::Tensor& lengths) {
+inline void offsets_into(const at::Tensor& lengths, std::vector<int64_t>* out) {
   TETRAREC_CHECK(lengths.is_contiguous(), "tetrarec tbe: lengths must be contiguous");
-  std::vector<int64_t> off(lengths.numel() + 1, 0);
+  std::vector<int64_t>& off = *out;
+  off.resize(lengths.numel() + 1);
+  off[0] = 0;
   AT_DISPATCH_INDEX_TYPES(lengths.scalar_type(), "tbe_offsets", [&] {
     const index_t* l = lengths.data_ptr<index_t>();
     for (int64_t i = 0; i < lengths.numel(); ++i) off[i + 1] = off[i] + static_cast<int64_t>(l[i]);
   });
+}
+inline std::vector<int64_t> offsets_of(const at::Tensor& lengths) {
+  std::vector<int64_t> off;
+  offsets_into(lengths, &off);
   return off;
 }
 
@@ -611,6 +620,52 @@ at::Tensor tbe_backward_update(const at::Tensor& grad_out, at::Tensor& weights,
   return psw_grad;
 }
 
+// For table `table` of the store: its touched rows (sorted, unique, int64 (U,)) and the
+// per-row sum over its columns of the squared summed gradient (+ weight_decay * row),
+// FP32 (U,), as the fused backward computes it (row_shares_impl). Nothing is updated.
+std::tuple<at::Tensor, at::Tensor> tbe_row_gradient_shares(
+    const at::Tensor& grad_out, const at::Tensor& weights, const std::vector<at::Tensor>& meta,
+    const at::Tensor& values, const at::Tensor& lengths, const c10::optional<at::Tensor>& psw,
+    int64_t table, double weight_decay, const std::string& precision) {
+  const Meta all = read_meta(meta);
+  TETRAREC_CHECK(table >= 0 && table < all.T, "tetrarec tbe row shares: table ", table,
+              " is not a table of this store (valid: 0..", all.T - 1, ")");
+  const OneTableMeta one(all, table);
+  at::Tensor g = grad_out.contiguous().to(at::kFloat);
+  TETRAREC_CHECK(g.dim() == 2 && lengths.numel() == all.F * g.size(0),
+              "tetrarec tbe row shares: lengths must have F*B = ", all.F, "*", g.size(0),
+              " entries, got ", lengths.numel());
+  TETRAREC_CHECK(values.is_contiguous() && weights.is_contiguous(),
+              "tetrarec tbe row shares: weights and values must be contiguous");
+  TETRAREC_CHECK(values.numel() < (int64_t(1) << 31) && all.F * g.size(0) < (int64_t(1) << 31),
+              "tetrarec tbe row shares: batch too large: ", values.numel(), " ids and ",
+              all.F * g.size(0), " bags, each must be below 2^31");
+  // Reused across calls: a column-split table's blocks call this once per block and
+  // step, each time for the whole batch's bags.
+  thread_local std::vector<int64_t> offsets;
+  offsets_into(lengths, &offsets);
+  BackwardArgs A;
+  A.M = &one.M;
+  A.B = g.size(0);
+  A.ld = g.size(1);
+  A.grad = g.data_ptr<float>();
+  A.offsets = offsets.data();
+  A.wd = static_cast<float>(weight_decay);
+  at::Tensor psw_c;
+  if (psw.has_value()) {
+    psw_c = psw->contiguous().to(at::kFloat);
+    A.psw = psw_c.data_ptr<float>();
+  }
+  at::Tensor rows, share;
+  dispatch_codec(weights, precision, [&](auto codec) {
+    using Codec = decltype(codec);
+    AT_DISPATCH_INDEX_TYPES(values.scalar_type(), "tbe_row_gradient_shares", [&] {
+      row_shares_impl<Codec, index_t>(weights, A, values.data_ptr<index_t>(), table, &rows, &share);
+    });
+  });
+  return {rows, share};
+}
+
 // What this binary was compiled for (-march=native: the build machine's CPU) and which
 // hand-written vector paths that enables, for benchmark reports. Every other loop is
 // left to the compiler's auto-vectorizer at the same -march.
@@ -654,6 +709,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("build_info", &build_info, "instruction sets and vector paths this build uses");
   m.def("tbe_forward", &tbe_forward, "pooled table-batched lookup (CPU)");
   m.def("tbe_backward_update", &tbe_backward_update, "fused backward + optimizer (CPU)");
+  m.def("tbe_row_gradient_shares", &tbe_row_gradient_shares,
+        "one table's touched rows and per-row sums of squared gradients (CPU)");
   m.def("dot_interaction_forward", &tetrarec::dot_interaction_forward,
         "DLRM dot interaction forward (CPU)");
   m.def("dot_interaction_backward", &tetrarec::dot_interaction_backward,

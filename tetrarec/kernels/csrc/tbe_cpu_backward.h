@@ -32,11 +32,23 @@ struct BackwardArgs {
   const int64_t* state_off[3] = {nullptr, nullptr, nullptr};
 };
 
+// g += wd * w: weight decay, added to the summed gradient before any rule reads it.
+inline void add_weight_decay(float wd, const float* w, float* g, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) g[d] += wd * w[d];
+}
+
+// Sum of g^2 over a row's D columns, in column order: what the row-wise rules add to
+// their per-row state (divided by D), and what row_shares_impl reports, bitwise.
+inline float sum_squares(const float* g, int64_t D) {
+  float sq = 0.0f;
+  for (int64_t d = 0; d < D; ++d) sq += g[d] * g[d];
+  return sq;
+}
+
 // The rules of optim_rules.py, one row at a time; `g` is the summed gradient (clobbered).
 inline void apply_rule(const BackwardArgs& A, int64_t t, int64_t row, int64_t D, float* w,
                        float* g) {
-  if (A.wd != 0.0f)
-    for (int64_t d = 0; d < D; ++d) g[d] += A.wd * w[d];
+  if (A.wd != 0.0f) add_weight_decay(A.wd, w, g, D);
   switch (A.kind) {
     case Kind::kSgd:
       for (int64_t d = 0; d < D; ++d) w[d] -= A.lr * g[d];
@@ -51,9 +63,7 @@ inline void apply_rule(const BackwardArgs& A, int64_t t, int64_t row, int64_t D,
     }
     case Kind::kRowwiseAdagrad: {
       float* m = A.state[0] + A.state_off[0][t] + row;
-      float sq = 0.0f;
-      for (int64_t d = 0; d < D; ++d) sq += g[d] * g[d];
-      *m += sq / static_cast<float>(D);
+      *m += sum_squares(g, D) / static_cast<float>(D);
       const float mult = A.lr / (std::sqrt(*m) + A.eps);
       for (int64_t d = 0; d < D; ++d) w[d] -= g[d] * mult;
       break;
@@ -69,11 +79,7 @@ inline void apply_rule(const BackwardArgs& A, int64_t t, int64_t row, int64_t D,
       const double bc1 = 1.0 - std::pow(A.beta1, static_cast<double>(*step));
       const float bc2s = static_cast<float>(std::sqrt(1.0 - std::pow(A.beta2, static_cast<double>(*step))));
       const float step_size = static_cast<float>(A.lr / bc1);
-      if (rowwise) {
-        float sq = 0.0f;
-        for (int64_t d = 0; d < D; ++d) sq += g[d] * g[d];
-        *v = *v * b2 + (1.0f - b2) * (sq / static_cast<float>(D));
-      }
+      if (rowwise) *v = *v * b2 + (1.0f - b2) * (sum_squares(g, D) / static_cast<float>(D));
       for (int64_t d = 0; d < D; ++d) {
         m[d] += (1.0f - b1) * (g[d] - m[d]);
         float vd;
@@ -205,23 +211,28 @@ const uint64_t* sorted_keys(const BackwardArgs& A, const Idx* values, Scratch& S
   uint64_t* keys = S.keys.data();
   int32_t* seg = S.seg.data();
   std::atomic<int64_t> bad_pos{N};
+  // seg is read only for the keys' positions: the features of other stores (t < 0,
+  // as every other table's for row_shares_impl) are skipped whole.
   at::parallel_for(0, M.F * A.B, 2048, [&](int64_t s0, int64_t s1) {
     int64_t bad = N;
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t f = s / A.B, t = M.feat_table[f];
-      const int64_t j0 = A.offsets[s], j1 = A.offsets[s + 1];
-      if (by_position)
-        for (int64_t j = j0; j < j1; ++j) seg[j] = static_cast<int32_t>(s);
+    for (int64_t f = s0 / A.B; f * A.B < s1; ++f) {
+      const int64_t t = M.feat_table[f];
       if (t < 0) continue;
       const int64_t rows = M.rows[t], roff = M.row_off[t], sk = skipped[f];
-      for (int64_t j = j0; j < j1; ++j) {
-        const int64_t id = static_cast<int64_t>(values[j]);
-        if (id < 0 || id >= rows) {
-          bad = std::min(bad, j);
-          continue;
+      const int64_t b1 = std::min(s1, (f + 1) * A.B);
+      for (int64_t s = std::max(s0, f * A.B); s < b1; ++s) {
+        const int64_t j0 = A.offsets[s], j1 = A.offsets[s + 1];
+        if (by_position)
+          for (int64_t j = j0; j < j1; ++j) seg[j] = static_cast<int32_t>(s);
+        for (int64_t j = j0; j < j1; ++j) {
+          const int64_t id = static_cast<int64_t>(values[j]);
+          if (id < 0 || id >= rows) {
+            bad = std::min(bad, j);
+            continue;
+          }
+          const uint64_t low = static_cast<uint64_t>(by_position ? j : s);
+          keys[j - sk] = static_cast<uint64_t>(roff + id) << 32 | low;
         }
-        const uint64_t low = static_cast<uint64_t>(by_position ? j : s);
-        keys[j - sk] = static_cast<uint64_t>(roff + id) << 32 | low;
       }
     }
     if (bad < N) {
@@ -261,8 +272,7 @@ inline void rowwise_adagrad_batch(const BackwardArgs& A, int n, const int64_t* t
                                   const int64_t* rows, const int64_t* Ds, float* const* w,
                                   float* const* g) {
   if (A.wd != 0.0f)
-    for (int i = 0; i < n; ++i)
-      for (int64_t d = 0; d < Ds[i]; ++d) g[i][d] += A.wd * w[i][d];
+    for (int i = 0; i < n; ++i) add_weight_decay(A.wd, w[i], g[i], Ds[i]);
   float sq[kBatch] = {};
   bool same = true;
   for (int i = 1; i < n; ++i) same = same && Ds[i] == Ds[0];
@@ -271,8 +281,7 @@ inline void rowwise_adagrad_batch(const BackwardArgs& A, int n, const int64_t* t
     for (int64_t d = 0; d < D; ++d)
       for (int i = 0; i < kBatch; ++i) sq[i] += g[i][d] * g[i][d];
   } else {
-    for (int i = 0; i < n; ++i)
-      for (int64_t d = 0; d < Ds[i]; ++d) sq[i] += g[i][d] * g[i][d];
+    for (int i = 0; i < n; ++i) sq[i] = sum_squares(g[i], Ds[i]);
   }
   for (int i = 0; i < n; ++i) {
     const int64_t D = Ds[i];
@@ -490,6 +499,87 @@ void backward_impl(at::Tensor& weights, const BackwardArgs& A, const Idx* values
   const std::vector<int64_t> bounds = row_aligned_bounds(keys, n);
   at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t p0, int64_t p1) {
     update_range<Codec>(C, bounds[p0], bounds[p1]);
+  });
+}
+
+// ---- row-wise shares of one table (column-split tables, sharding/block_group.py) ----
+
+// The store's meta with every feature of a table other than t marked "another store"
+// (-1): sorted_keys and GradRows then sort and gather table t's ids only.
+struct OneTableMeta {
+  std::vector<int64_t> feat_table;
+  Meta M;
+  OneTableMeta(const Meta& all, int64_t t)
+      : feat_table(all.feat_table, all.feat_table + all.F), M(all) {
+    for (int64_t& ft : feat_table) ft = ft == t ? t : -1;
+    M.feat_table = feat_table.data();
+  }
+  OneTableMeta(const OneTableMeta&) = delete;  // M points into feat_table
+  OneTableMeta& operator=(const OneTableMeta&) = delete;
+};
+
+// Number of unique rows among sorted ids [k0, k1) (one part of row_aligned_bounds).
+inline int64_t count_rows(const uint64_t* keys, int64_t k0, int64_t k1) {
+  int64_t u = 0;
+  for (int64_t k = k0; k < k1; ++k) u += k == k0 || (keys[k] >> 32) != (keys[k - 1] >> 32);
+  return u;
+}
+
+// For table t (A.M masked by OneTableMeta): its touched rows, sorted and unique, and per
+// row share = sum_d g'_d^2, g' = the row's summed gradient + wd * w (w the stored row,
+// decoded). Every step is the backward's own: sorted_keys (the same order of a row's
+// ids, by position), GradRows and sum_row_grads (the same per-id gradients, mean
+// division and per-id weights, summed in the same order), add_weight_decay and
+// sum_squares; so `share` is bitwise the sum of squares the row-wise update of the
+// whole table would compute. Rows are split over threads by row_aligned_bounds, each
+// row computed by one thread alone: the results do not depend on the thread count.
+template <class Codec, typename Idx>
+void row_shares_impl(const at::Tensor& weights, const BackwardArgs& A, const Idx* values,
+                     int64_t t, at::Tensor* rows_out, at::Tensor* share_out) {
+  const Meta& M = *A.M;
+  Scratch& S = scratch();
+  int64_t n = 0;
+  const uint64_t* keys = sorted_keys(A, values, S, &n);
+  const GradRows grads(A, n, S.grad);
+  const uint8_t* table =
+      reinterpret_cast<const uint8_t*>(weights.data_ptr()) + M.w_off[t] * Codec::kElem;
+  const UpdateCtx C{&A, keys, S.seg.data(), &grads, nullptr};
+  const std::vector<int64_t> bounds = row_aligned_bounds(keys, n);
+  const int64_t parts = static_cast<int64_t>(bounds.size()) - 1;
+  std::vector<int64_t> first(parts + 1, 0);  // first output slot of each part
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) first[p + 1] = count_rows(keys, bounds[p], bounds[p + 1]);
+  });
+  for (int64_t p = 0; p < parts; ++p) first[p + 1] += first[p];
+  *rows_out = at::empty({first[parts]}, at::kLong);
+  *share_out = at::empty({first[parts]}, at::kFloat);
+  int64_t* rows = rows_out->data_ptr<int64_t>();
+  float* share = share_out->data_ptr<float>();
+  const int64_t D = M.dims[t], roff = M.row_off[t], bytes = Codec::width(D) * Codec::kElem;
+  // The ids' gradient rows (and, with weight decay, the table rows) are read at random:
+  // prefetch those of the ids kIdsAhead positions ahead so that the reads overlap.
+  constexpr int64_t kIdsAhead = 16;
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> w(D), acc(D);
+    int64_t f;
+    float L;
+    for (int64_t p = p0; p < p1; ++p) {
+      int64_t u = first[p], kp = bounds[p];
+      for (int64_t k = bounds[p]; k < bounds[p + 1]; ++u) {
+        for (const int64_t ke = std::min(bounds[p + 1], k + kIdsAhead); kp < ke; ++kp) {
+          prefetch_row(
+              reinterpret_cast<const uint8_t*>(C.grads->row(C.bag_of(keys[kp]), &f, &L)), D * 4);
+          if (A.wd != 0.0f && (kp == bounds[p] || (keys[kp] >> 32) != (keys[kp - 1] >> 32)))
+            prefetch_row(table + (static_cast<int64_t>(keys[kp] >> 32) - roff) * bytes, bytes);
+        }
+        const int64_t row = static_cast<int64_t>(keys[k] >> 32) - roff;
+        if (A.wd != 0.0f) Codec::load(table + row * bytes, D, w.data());
+        sum_row_grads(C, &k, bounds[p + 1], D, w.data(), acc.data());
+        if (A.wd != 0.0f) add_weight_decay(A.wd, w.data(), acc.data(), D);
+        rows[u] = row;
+        share[u] = sum_squares(acc.data(), D);
+      }
+    }
   });
 }
 
