@@ -33,6 +33,7 @@ from tetrarec.embedding import SparseOptimizerSpec, TableConfig
 from tetrarec.testing import run_ranks
 from tetrarec.testing.equivalence import (
     EquivalenceCase,
+    bad_id_worker,
     compare,
     reference_run,
     sharded_cases_worker,
@@ -148,3 +149,16 @@ def test_hierarchical_types_on_two_nodes_of_two_equal_one_process():
     )
     bad = _check(CASES_NODES, results)
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.timeout(300)
+def test_an_out_of_range_id_stops_every_rank_naming_feature_and_id():
+    """Catches a bad id routed to a neighbouring feature's rows or a wrong row block
+    (row-wise bucketizes every feature at once, clamping it), or an error on one rank
+    only, which would hang the others."""
+    kinds = ("row_wise", "table_wise", "column_wise", "data_parallel")
+    cases = [(k, bad) for k in kinds for bad in (7, -1, 1000)]
+    errors = run_ranks(bad_id_worker, world_size=2, args=(cases,), timeout_s=240)
+    for rank, errs in enumerate(errors):
+        for (kind, bad), err in zip(cases, errs):
+            assert f"feature 'b': id {bad} is outside its table" in err, (kind, rank, err)

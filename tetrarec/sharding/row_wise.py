@@ -112,6 +112,23 @@ class RowGroup(ShardedGroup):
             torch.tensor(b[1]) for b, t in zip(bounds, self.tables) for _ in t.feature_names
         ]
         self._pos = [{f: i for i, f in enumerate(r)} for r in self.receives]
+        # The same, flat over the features, for one vectorized bucketization of all ids:
+        # feature i's row starts become i * span + start (one sorted array), and
+        # unit[i, q] * b is where feature i's bags start in what rank q receives.
+        rows = [t.num_embeddings for t in self.tables for _ in t.feature_names]
+        self._span = max(rows, default=1) + 1
+        nf = len(rows)
+        self._flat_keys = torch.cat(
+            [i * self._span + st for i, st in enumerate(self._starts)]
+        ) if nf else torch.zeros(0, dtype=torch.int64)  # fmt: skip
+        self._flat_starts = torch.cat(self._starts) if nf else torch.zeros(0, dtype=torch.int64)
+        self._flat_ranks = torch.cat(self._ranks) if nf else torch.zeros(0, dtype=torch.int64)
+        self._rows = torch.tensor(rows, dtype=torch.int64)
+        before = [sum(len(r) for r in self.receives[:q]) for q in range(w)]
+        self._unit = torch.tensor(
+            [[before[q] + self._pos[q].get(f, 0) for q in range(w)] for f in self.feature_names],
+            dtype=torch.int64,
+        ).reshape(nf, w)
         self.dims = [
             sum(t.dim for t in self.tables for f in t.feature_names if f in set(r))
             for r in self.receives
@@ -142,22 +159,20 @@ class RowGroup(ShardedGroup):
         seg_base = [0]
         for q in range(w):
             seg_base.append(seg_base[-1] + len(self.receives[q]) * b)
-        keys, local_ids = [], []
-        start = 0
         bad = self.bad_id(features)
-        for i, f in enumerate(self.feature_names):
-            v = features.values[start : start + counts[i]].long()
-            start += counts[i]
-            bag = torch.repeat_interleave(torch.arange(b, device=v.device), lens2d[i])
-            k = torch.searchsorted(self._starts[i], v, right=True) - 1
-            k = k.clamp(0, len(self._starts[i]) - 1)  # bad ids are reported, never sent
-            dest = self._ranks[i][k]
-            base = torch.tensor([seg_base[q] + self._pos[q].get(f, 0) * b for q in range(w)])
-            keys.append(base[dest] + bag)
-            local_ids.append(v - self._starts[i][k])
-        key = torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64)
+        nf = len(self.feature_names)
+        v = features.values.long()
+        # Per id: its feature, its sample, and the row block holding it (all features in
+        # one pass; bad ids are clamped here, reported below, never sent).
+        fidx = torch.repeat_interleave(torch.arange(nf), torch.tensor(counts, dtype=torch.int64))
+        bag = torch.repeat_interleave(torch.arange(nf * b) % max(b, 1), lens2d.reshape(-1))
+        clamped = torch.minimum(v.clamp(min=0), self._rows[fidx] - 1)
+        block = torch.searchsorted(self._flat_keys, fidx * self._span + clamped, right=True) - 1
+        dest = self._flat_ranks[block]
+        key = self._unit[fidx, dest] * b + bag
+        local_ids = v - self._flat_starts[block]
         order = torch.sort(key, stable=True).indices
-        ids = torch.cat(local_ids)[order] if local_ids else key
+        ids = local_ids[order]
         lengths = torch.bincount(key, minlength=seg_base[-1])
         weights = features.weights[order] if features.weights is not None else None
         outgoing = []

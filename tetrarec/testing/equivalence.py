@@ -42,6 +42,7 @@ from tetrarec.types import Placement, ShardingType
 
 __all__ = [
     "EquivalenceCase",
+    "bad_id_worker",
     "compare",
     "global_batch",
     "rank_slice",
@@ -333,3 +334,27 @@ def compare(
                 continue
             close(f"optimizer state {name}.{key}", found, want)
     return bad
+
+
+def bad_id_worker(ctx: RankContext, cases: Sequence[tuple[str, int]]) -> list[str]:
+    """Per ``(sharding type, bad id)``: the error this rank raised (``""`` if none).
+
+    Rank 1 looks up the bad id of feature ``b`` through a collection sharded so.
+    """
+    tables = (
+        TableConfig(name="a", num_embeddings=10, dim=4),
+        TableConfig(name="b", num_embeddings=7, dim=4),
+    )
+    env = ShardingEnv(ctx.comm, ctx.local_world_size)
+    options = LookupOptions(optimizer=SparseOptimizerSpec(kind="sgd", lr=0.1), seed=0)
+    out = []
+    for kind, bad in cases:
+        plan = plan_by_type(tables, ShardingType.parse(kind), world_size=ctx.world_size)
+        module = ShardedEmbeddingBagCollection(tables, plan, env, options)
+        ids_b = [[1, bad], [2]] if ctx.rank == 1 else [[1], [2, 3]]
+        try:
+            module(SparseFeatures.from_lists({"a": [[0], [9]], "b": ids_b}))
+            out.append("")
+        except ValueError as e:
+            out.append(str(e))
+    return out
