@@ -506,6 +506,7 @@ def topology(results: list[dict[str, Any]], ssd_dir: Path) -> dict[str, Any]:
         "name": "calibrated-" + re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname()),
         "nodes": 1,
         "ranks_per_node": RANKS_PER_NODE,
+        "cores_per_node": os.cpu_count() or 1,
         "collective_latency_s": pick("per-rank collective_latency_s"),
         "intra_node_bandwidth": a2a,
         "inter_node_bandwidth": a2a,
@@ -599,6 +600,7 @@ def main(argv: list[str] | None = None) -> None:
         f"intra_node_bandwidth: all_to_all_v on {RANKS_PER_NODE} gloo ranks of this machine "
         f"(loopback: memory copies, not a network), {a2a_mib:g} MiB/peer",
         "inter_node_bandwidth: NOT measured (one node): the intra-node figure",
+        "cores_per_node: os.cpu_count() (more ranks than cores share them)",
         "host_memory: MemTotal / ranks_per_node; ssd: free space of "
         f"{args.ssd_dir} / ranks_per_node; device_*: 0 (no accelerator)",
         "ssd_bandwidth: "

@@ -333,6 +333,7 @@ def calibrated_topology(cfg: Config, world: int) -> tuple[Topology, dict[str, fl
         name=f"calibrated-{world}-ranks",
         nodes=1,
         ranks_per_node=world,
+        cores_per_node=cfg.cores,
         collective_latency_s=rates["collective_latency_s"],
         intra_node_bandwidth=rates["link_bandwidth"],
         inter_node_bandwidth=rates["link_bandwidth"],

@@ -18,7 +18,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 TOP_KEYS = {
     "name", "nodes", "ranks_per_node", "collective_latency_s", "intra_node_bandwidth",
-    "inter_node_bandwidth", "rank",
+    "inter_node_bandwidth", "rank", "cores_per_node",
 }  # fmt: skip
 RANK_KEYS = {
     "device_memory", "host_memory", "ssd", "device_bandwidth", "host_bandwidth",

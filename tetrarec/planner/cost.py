@@ -65,6 +65,17 @@ the dense gradient.
 
 **Step time** of a rank = lookup + communication + dense; the plan's step time is the
 slowest rank's.
+
+**Shared cores** (``Topology.cores_shared``: ``R`` ranks of a node on ``C < R`` CPU
+cores, one thread each). The rates are measured with every rank busy, each getting
+``C / R`` of a core; a rank whose node-mates wait in a collective gets a whole core. The
+node's compute (lookup + dense compute, ``c_r`` in busy-rate seconds) is then
+processor-shared, and every rank of the node has its compute done at::
+
+    T_node = max(max_r c_r C / R, sum_r c_r / R)
+
+(one rank never runs faster than one core; all of them never faster than ``C``
+cores); a rank's step is ``T_node`` + its communication + the dense all-reduce.
 """
 
 from __future__ import annotations
@@ -88,6 +99,7 @@ __all__ = [
     "option_groups",
     "ring_seconds_per_byte",
     "shard_cost",
+    "shared_compute",
     "uniform_cost",
 ]
 
@@ -340,3 +352,20 @@ def dense_seconds(inputs: PlannerInputs) -> tuple[float, float]:
     compute = inputs.batch_size / w * inputs.dense_flops_per_sample / topo.rank.matmul_flops
     allreduce = 2 * (w - 1) / w * inputs.dense_params * OUT_BYTES * ring_seconds_per_byte(topo)
     return compute, allreduce
+
+
+def shared_compute(topo: Topology, compute: list[float]) -> list[float]:
+    """Each rank's compute seconds with its node's cores shared (module docstring).
+
+    ``compute``: per rank, lookup + dense compute at the calibrated (all-busy) rates.
+    Without shared cores, ``compute`` unchanged.
+    """
+    if not topo.cores_shared:
+        return list(compute)
+    r, c = topo.ranks_per_node, topo.cores_per_node
+    out = []
+    for node in range(topo.nodes):
+        mine = compute[node * r : (node + 1) * r]
+        t = max(max(mine) * c / r, sum(mine) / r)
+        out.extend([t] * len(mine))
+    return out

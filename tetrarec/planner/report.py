@@ -25,6 +25,7 @@ from tetrarec.planner.cost import (
     link_seconds_per_byte,
     option_groups,
     shard_cost,
+    shared_compute,
     uniform_cost,
 )
 from tetrarec.planner.inputs import PlannerInputs
@@ -264,9 +265,12 @@ def evaluate(
     spb = link_seconds_per_byte(topo)
     compute, allreduce = dense_seconds(inputs)
     latency = topo.collective_latency_s * latency_collectives(groups)
+    busy = [lookup[r] + compute for r in range(w)]
+    done = shared_compute(topo, busy)  # shared cores: each rank's share of its node's
     ranks = []
     for r in range(w):
         memory[r][fast] += u_buf
+        scale = done[r] / busy[r] if busy[r] > 0 else 1.0
         ranks.append(
             RankReport(
                 rank=r,
@@ -276,9 +280,9 @@ def evaluate(
                 state=parts[r][1],
                 cache=parts[r][2],
                 buffers=parts[r][3] + u_buf,
-                lookup_s=lookup[r],
+                lookup_s=lookup[r] * scale,
                 comm_s=max(cin[r] + u_in, cout[r] + u_out) * spb + u_sec + latency,
-                dense_s=compute + allreduce,
+                dense_s=compute * scale + allreduce,
             )
         )
     return PlanReport(

@@ -47,6 +47,7 @@ from tetrarec.planner.cost import (
     link_seconds_per_byte,
     option_groups,
     shard_cost,
+    shared_compute,
     uniform_cost,
 )
 from tetrarec.planner.inputs import PlannerInputs, TableSpec
@@ -257,6 +258,8 @@ class _Ranks:
         self.spb = link_seconds_per_byte(topo)
         compute, allreduce = dense_seconds(inputs)
         self.dense = compute + allreduce
+        self.dense_compute = compute
+        self.topo = topo
         self.latency = topo.collective_latency_s
 
     def keep_free(self, later: float) -> None:
@@ -272,7 +275,12 @@ class _Ranks:
 
     def times(self) -> np.ndarray:
         comm = np.maximum(self.cin + self.u_in, self.cout + self.u_out) * self.spb
-        return self.lookup + comm + self.fixed(self.groups)
+        times = self.lookup + comm + self.fixed(self.groups)
+        if self.topo.cores_shared:  # the nodes' compute is processor-shared (cost.py)
+            busy = self.lookup + self.dense_compute
+            done = np.asarray(shared_compute(self.topo, busy.tolist()))
+            times = times - busy + done
+        return times
 
     def add(self, ranks: Sequence[int], cost: ShardCost, sign: float = 1.0) -> None:
         for r in ranks:

@@ -8,6 +8,7 @@ All sizes are bytes, bandwidths bytes per second, times seconds::
     collective_latency_s = 5e-5        # per collective call
     intra_node_bandwidth = 5e9         # per rank, one direction
     inter_node_bandwidth = 1.25e9      # per rank, one direction
+    cores_per_node = 2                 # optional: CPU cores the node's ranks share
     [rank]
     device_memory = 0                  # 0: no device (CPU-only machine)
     host_memory = 8e9
@@ -115,6 +116,10 @@ class Topology:
         intra_node_bandwidth: bytes/s per rank, one direction, to a rank of its node.
         inter_node_bandwidth: bytes/s per rank, one direction, to another node.
         rank: each rank's memory tiers, their bandwidths and its matrix rate.
+        cores_per_node: CPU cores a node's ranks share, when they compute on CPU cores
+            and are more than the cores (then ``rank``'s rates are those of a rank
+            while every rank of its node is busy, and a rank whose node-mates wait runs
+            faster; ``cost.shared_compute``). 0: each rank has its own processor.
 
     Raises:
         ValueError: naming the field that is out of range.
@@ -127,12 +132,16 @@ class Topology:
     intra_node_bandwidth: float
     inter_node_bandwidth: float
     rank: RankResources
+    cores_per_node: int = 0
 
     def __post_init__(self) -> None:
         for f in ("nodes", "ranks_per_node"):
             value = getattr(self, f)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"topology {f} must be an integer >= 1, got {value!r}")
+        cores = self.cores_per_node
+        if not isinstance(cores, int) or isinstance(cores, bool) or cores < 0:
+            raise ValueError(f"topology cores_per_node must be an integer >= 0, got {cores!r}")
         for f in ("collective_latency_s", "intra_node_bandwidth", "inter_node_bandwidth"):
             value = getattr(self, f)
             if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
@@ -147,6 +156,11 @@ class Topology:
     def world_size(self) -> int:
         """All ranks."""
         return self.nodes * self.ranks_per_node
+
+    @property
+    def cores_shared(self) -> bool:
+        """Whether a node's ranks outnumber the cores they share."""
+        return 0 < self.cores_per_node < self.ranks_per_node
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
@@ -211,7 +225,7 @@ class Topology:
         unknown = sorted(set(rank_values) - per_rank)
         if unknown:
             raise ValueError(f"{where}: unknown fields rank.{unknown}; valid: {sorted(per_rank)}")
-        missing = sorted(top - set(values) - {"name"})
+        missing = sorted(top - set(values) - {"name", "cores_per_node"})
         if missing:
             raise ValueError(f"{where}: missing fields {missing}")
         try:

@@ -38,7 +38,7 @@ from tetrarec.sharding import (
 from tetrarec.sharding.state_dict import local_blocks, unshard
 from tetrarec.sparse import SparseFeatures
 from tetrarec.testing.multiprocess import RankContext
-from tetrarec.types import Placement, ShardingType
+from tetrarec.types import OptimizerKind, Placement, ShardingType
 
 __all__ = [
     "EquivalenceCase",
@@ -346,7 +346,7 @@ def bad_id_worker(ctx: RankContext, cases: Sequence[tuple[str, int]]) -> list[st
         TableConfig(name="b", num_embeddings=7, dim=4),
     )
     env = ShardingEnv(ctx.comm, ctx.local_world_size)
-    options = LookupOptions(optimizer=SparseOptimizerSpec(kind="sgd", lr=0.1), seed=0)
+    options = LookupOptions(optimizer=SparseOptimizerSpec(kind=OptimizerKind.SGD, lr=0.1), seed=0)
     out = []
     for kind, bad in cases:
         plan = plan_by_type(tables, ShardingType.parse(kind), world_size=ctx.world_size)

@@ -25,6 +25,7 @@ from tetrarec.planner.cost import (
     link_seconds_per_byte,
     option_groups,
     shard_cost,
+    shared_compute,
     uniform_cost,
 )
 from tetrarec.types import OptimizerKind, Precision, ShardingType
@@ -176,3 +177,23 @@ def test_per_id_work_is_charged_at_the_ranks_rate() -> None:
     base = shard_cost(INPUTS, TABLE, _opt(), 1000, 4).lookup_s
     # forward and backward each handle the B P = 16 ids
     assert shard_cost(inputs, TABLE, _opt(), 1000, 4).lookup_s == pytest.approx(base + 32 / 1e6)
+
+
+def test_ranks_sharing_cores_share_the_nodes_compute() -> None:
+    """Catches an oversubscribed node priced as if each rank had its own core: a rank
+    whose node-mates wait gets a whole core (4 ranks on 2 cores: twice its busy rate),
+    and the node never computes faster than its cores."""
+    shared = replace(TOPO, ranks_per_node=4, cores_per_node=2)
+    assert shared.cores_shared
+    assert not TOPO.cores_shared
+    assert not replace(TOPO, cores_per_node=2).cores_shared  # 2 ranks on 2 cores
+    # balanced: every rank busy, as calibrated
+    assert shared_compute(shared, [1.0, 1.0, 1.0, 1.0]) == [1.0] * 4
+    # piled on rank 0: it runs alone on a core (4 * 2 / 4 = 2), the node is done then
+    assert shared_compute(shared, [4.0, 0.0, 0.0, 0.0]) == [2.0] * 4
+    # the cores bound: sum / R
+    assert shared_compute(shared, [3.0, 3.0, 3.0, 1.0]) == [2.5] * 4
+    two_nodes = replace(shared, nodes=2)
+    got = shared_compute(two_nodes, [4.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    assert got == [2.0] * 4 + [1.0] * 4
+    assert shared_compute(TOPO, [3.0, 1.0]) == [3.0, 1.0]
