@@ -22,11 +22,20 @@ import torch
 from tetrarec.embedding import SparseOptimizerSpec
 from tetrarec.kernels import FusedEmbeddingBagCollection
 
-__all__ = ["map_to_files"]
+__all__ = ["INIT_CHUNK_ROWS", "map_to_files"]
+
+# Rows written per chunk when the initial rows go into the files: the chunk is a
+# temporary FP32 block in process memory (16 MiB at D = 64), small beside a memory
+# budget that the file-backed table may exceed many times over.
+INIT_CHUNK_ROWS = 1 << 16
 
 
 def map_to_files(
-    module: FusedEmbeddingBagCollection, optimizer: SparseOptimizerSpec, root: str | None
+    module: FusedEmbeddingBagCollection,
+    optimizer: SparseOptimizerSpec,
+    root: str | None,
+    *,
+    init_chunk_rows: int = INIT_CHUNK_ROWS,
 ) -> Path:
     """Back a meta-device ``module``'s storages by files, then write its initial rows.
 
@@ -35,6 +44,8 @@ def map_to_files(
         optimizer: its optimizer (the initial value of Adagrad's state).
         root: the directory for the files' directory (default: the system's temporary
             directory, often a RAM-backed tmpfs: point it at the SSD).
+        init_chunk_rows: rows of each table initialized at a time (the peak of process
+            memory while the rows are written is one such FP32 chunk).
 
     Returns:
         The new directory holding the files (the caller deletes it).
@@ -54,5 +65,6 @@ def map_to_files(
             st = torch.from_file(str(path), shared=True, size=n, dtype=torch.float32)
             st.fill_(optimizer.initial_accumulator if name == "sum" else 0.0)
             setattr(module, f"_state_{s}_{k}", st)
-    module._init_weights()  # the same initial rows as in memory (init_rows)
+    # the same initial rows as in memory (init_rows), in small chunks
+    module._init_weights(chunk_rows=init_chunk_rows)
     return directory
