@@ -20,14 +20,10 @@ from pathlib import Path
 import torch
 
 from tetrarec.embedding import SparseOptimizerSpec
+from tetrarec.embedding.init import INIT_CHUNK_ROWS
 from tetrarec.kernels import FusedEmbeddingBagCollection
 
-__all__ = ["INIT_CHUNK_ROWS", "map_to_files"]
-
-# Rows written per chunk when the initial rows go into the files: the chunk is a
-# temporary FP32 block in process memory (16 MiB at D = 64), small beside a memory
-# budget that the file-backed table may exceed many times over.
-INIT_CHUNK_ROWS = 1 << 16
+__all__ = ["map_to_files"]
 
 
 def map_to_files(
@@ -35,7 +31,7 @@ def map_to_files(
     optimizer: SparseOptimizerSpec,
     root: str | None,
     *,
-    init_chunk_rows: int = INIT_CHUNK_ROWS,
+    init_chunk_rows: int = INIT_CHUNK_ROWS,  # init_rows draws rows in chunks of this
 ) -> Path:
     """Back a meta-device ``module``'s storages by files, then write its initial rows.
 
@@ -44,8 +40,11 @@ def map_to_files(
         optimizer: its optimizer (the initial value of Adagrad's state).
         root: the directory for the files' directory (default: the system's temporary
             directory, often a RAM-backed tmpfs: point it at the SSD).
-        init_chunk_rows: rows of each table initialized at a time (the peak of process
-            memory while the rows are written is one such FP32 chunk).
+        init_chunk_rows: rows of each table initialized at a time. Each chunk is a
+            temporary FP32 block in process memory (16 MiB at D = 64 for the default,
+            ``init_rows``'s own chunk, so no row is drawn twice), small beside a memory
+            budget the file-backed table may exceed many times over; the in-memory
+            default of ``_init_weights`` (1M rows, 256 MB at D = 64) is not.
 
     Returns:
         The new directory holding the files (the caller deletes it).
