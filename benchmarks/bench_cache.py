@@ -42,7 +42,7 @@ the real Criteo Kaggle sample when ``../shared/data`` has it; ``--all``: every p
     tetrarec bench cache [--seeds 3] [--train-samples N] [--eval-samples N] [--json PATH]
     tetrarec bench cache --big [--big-rows 32000000] [--budget-mib 1024]
     tetrarec bench cache --speed [--rounds 5] [--speed-steps 4]
-    python benchmarks/bench_cache.py --smoke --all      # tiny sizes, about a minute
+    python benchmarks/bench_cache.py --smoke     # every part at tiny sizes, about a minute
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ import numpy as np
 import torch
 from _harness import describe_run, kernel_summary, print_table, write_json
 
-from tetrarec.cache import CachedEmbeddingBagCollection, CacheMemory, CacheSpec
+from tetrarec.cache import CachedEmbeddingBagCollection, CacheMemory, CacheSpec, CacheStats
 from tetrarec.config import RunConfig
 from tetrarec.embedding import SparseOptimizerSpec, TableConfig
 from tetrarec.kernels import FusedEmbeddingBagCollection
@@ -139,7 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--all", action="store_true", help="trade-off, --big and --speed")
     p.add_argument("--big", action="store_true", help="only the table beyond its RAM budget")
     p.add_argument("--speed", action="store_true", help="only the speed on workload W")
-    p.add_argument("--smoke", action="store_true", help="tiny sizes, one seed")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, one seed, every part")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PNG", help="default: the --json path with .png")
     p.add_argument("--threads", type=int, default=1, help="torch threads of every part")
@@ -171,6 +171,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.big_rows, args.budget_mib, args.big_steps = 1_000_000, 512, 4
         args.speed_rows, args.rounds, args.speed_steps = 20_000, 2, 2
         args.criteo = "no" if args.criteo == "auto" else args.criteo
+        args.all = args.all or not (args.big or args.speed)  # every part, so none rots
     return args
 
 
@@ -469,6 +470,7 @@ def big_child(args: argparse.Namespace) -> None:
         "placement": placement,
         "impl": f"tetrarec-int8+cache1%-{placement}",
         "kernels": kernel_summary()["kernels"],
+        "kernel_env": kernel_summary(),
         "rows": args.big_rows,
         "backing_bytes": memory.backing_ram
         + memory.backing_ssd
@@ -569,6 +571,40 @@ def _profile(step: Any, batches: list[SparseFeatures]) -> list[dict[str, Any]]:
     ]
 
 
+# The cached collection's stages (nested: _admit holds _evict and _fill; _evict holds
+# _write_back), timed by wrapping the bound methods of one instance after the timed rounds.
+PHASES = ("_route", "_admit", "_evict", "_write_back", "_fill", "pooled_lookup", "apply_gradients")
+
+
+def phase_breakdown(
+    ebc: CachedEmbeddingBagCollection, batches: list[SparseFeatures], grad: torch.Tensor
+) -> dict[str, float]:
+    """Milliseconds per step in each of ``PHASES`` (nested, so they do not add up)."""
+    spent = dict.fromkeys(("step", *PHASES), 0.0)
+
+    def timed(name: str, fn: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] += time.perf_counter() - t
+
+        return call
+
+    for name in PHASES:
+        setattr(ebc, name, timed(name, getattr(ebc, name)))
+    try:
+        for b in batches:
+            t = time.perf_counter()
+            ebc(b).values.backward(grad)
+            spent["step"] += time.perf_counter() - t
+    finally:
+        for name in PHASES:
+            delattr(ebc, name)  # back to the class's methods
+    return {k: 1e3 * v / len(batches) for k, v in spent.items()}
+
+
 def speed(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Part 3: cached INT8 (5%) against uncached FP32 on W, alternating rounds."""
     torch.set_num_threads(args.threads)
@@ -589,6 +625,7 @@ def speed(args: argparse.Namespace) -> list[dict[str, Any]]:
         for n in names:
             step(n, _w_batch(args.speed_rows, rng))
     per_round: dict[str, list[float]] = {n: [] for n in names}
+    before = CacheStats.total(int8.cache_stats().values())
     for r in range(args.rounds):
         batches = [_w_batch(args.speed_rows, rng) for _ in range(args.speed_steps)]
         for n in names[r % 2 :] + names[: r % 2]:  # each round starts with the other one
@@ -598,11 +635,12 @@ def speed(args: argparse.Namespace) -> list[dict[str, Any]]:
                 step(n, b)
                 seconds.append(time.perf_counter() - t)
             per_round[n].append(statistics.median(seconds))
-    cache = int8
+    after = CacheStats.total(int8.cache_stats().values())
     profiles = {
         n: _profile(lambda b, n=n: step(n, b), [_w_batch(args.speed_rows, rng) for _ in range(2)])
         for n in names
     }
+    phases = phase_breakdown(int8, [_w_batch(args.speed_rows, rng) for _ in range(2)], grad)
     ratios = [c / f for c, f in zip(per_round[names[1]], per_round[names[0]])]
     kernels = kernel_summary()["kernels"]
     rows = []
@@ -622,22 +660,29 @@ def speed(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
     rows[1]["vs_fp32_median"] = statistics.median(ratios)
     rows[1]["vs_fp32_min"] = min(ratios)
-    rows[1]["hit_rate"] = cache.cache_stats()["t0"].hit_rate
-    rows[1]["hit_rate_all_tables"] = _total_hit_rate(cache)
+    rows[1]["phases_ms_per_step"] = phases
+    hits = after.hits - before.hits  # over the timed rounds, all tables
+    rows[1]["hit_rate"] = hits / (hits + after.misses - before.misses)
+    rows[1]["evictions_per_step"] = (after.evictions - before.evictions) / (
+        args.rounds * args.speed_steps
+    )
     return rows
-
-
-def _total_hit_rate(cache: CachedEmbeddingBagCollection) -> float:
-    stats = list(cache.cache_stats().values())
-    hits = sum(s.hits for s in stats)
-    return hits / max(1, sum(s.lookups for s in stats))
 
 
 # -- report ---------------------------------------------------------------------------------
 
 
-def report(args: argparse.Namespace, rows: list[dict[str, Any]], targets: list[Any]) -> None:
-    print(describe_run())
+def ran_kernels(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The kernel path of this process, or of the children when only they ran kernels."""
+    here = kernel_summary()
+    if here["kernels"] != "none":
+        return here
+    env: dict[str, Any] = next((r["kernel_env"] for r in rows if "kernel_env" in r), here)
+    return env
+
+
+def report(rows: list[dict[str, Any]], targets: list[Any], kernels: dict[str, Any]) -> None:
+    print(describe_run(kernels))
     trade = [r for r in rows if r["part"] == "tradeoff"]
     if trade:
         print_table(
@@ -656,11 +701,14 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], targets: list[A
         )  # fmt: skip
     fast = [r for r in rows if r["part"] == "speed"]
     if fast:
-        print_table(fast, ["impl", "workload", "step_ms_median", "step_ms_min", "vs_fp32_median"])
+        columns = ["impl", "workload", "step_ms_median", "step_ms_min", "vs_fp32_median"]
+        print_table(fast, [*columns, "hit_rate", "evictions_per_step"])
         for r in fast:
             print(f"where the time goes, {r['impl']} (self CPU ms per step):")
             for e in r["top_self_cpu"][:8]:
                 print(f"  {e['self_ms_per_step']:9.1f}  {e['share']:5.1%}  {e['name']}")
+            if "phases_ms_per_step" in r:
+                print("  stages (ms per step, nested):", r["phases_ms_per_step"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -670,22 +718,24 @@ def main(argv: list[str] | None = None) -> None:
         return
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
-    parts = {"tradeoff": args.all or not (args.big or args.speed)}
-    parts.update(big=args.all or args.big, speed=args.all or args.speed)
     rows: list[dict[str, Any]] = []
     targets: list[dict[str, Any]] = []
     timing: dict[str, float] = {}
-    for name, fn in (("tradeoff", tradeoff), ("big", big), ("speed", speed)):
-        if not parts[name]:
-            continue
+
+    def timed(name: str, fn: Any) -> Any:
         t0 = time.perf_counter()
-        if name == "tradeoff":
-            got, targets = tradeoff(args)
-        else:
-            got = fn(args)  # type: ignore[operator]
-        rows += got
+        out = fn(args)
         timing[name] = round(time.perf_counter() - t0, 1)
-    report(args, rows, targets)
+        return out
+
+    if args.all or not (args.big or args.speed):
+        rows, targets = timed("tradeoff", tradeoff)
+    if args.all or args.big:
+        rows += timed("big", big)
+    if args.all or args.speed:
+        rows += timed("speed", speed)
+    kernels = ran_kernels(rows)
+    report(rows, targets, kernels)
     plot = None
     trade = [r for r in rows if r["part"] == "tradeoff"]
     if trade and (args.plot or args.json):
@@ -693,7 +743,7 @@ def main(argv: list[str] | None = None) -> None:
         plot = write_plot(trade, path)
         print(plot)
     config = {k: v for k, v in vars(args).items() if not k.startswith(("big_child", "child"))}
-    write_json(args.json, config, rows, targets=targets, part_seconds=timing, plot=plot)
+    write_json(args.json, config, rows, kernels, targets=targets, part_seconds=timing, plot=plot)
     print(f"seconds per part: {timing}")
 
 
