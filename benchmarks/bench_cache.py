@@ -284,7 +284,6 @@ def run_tradeoff(base: RunConfig, data: str, seeds: list[int]) -> list[dict[str,
     """Every variant, every seed, on one data set; one result row per variant."""
     rows = []
     scratch = Path(tempfile.mkdtemp(prefix="tetrarec-bench-cache-"))
-    kernels = kernel_summary()["kernels"]
     try:
         for v in VARIANTS:
             config = base.with_overrides(v.overrides())
@@ -297,7 +296,7 @@ def run_tradeoff(base: RunConfig, data: str, seeds: list[int]) -> list[dict[str,
                     "data": data,
                     "variant": v.name,
                     "impl": f"tetrarec-{v.name}",
-                    "kernels": kernels,
+                    "kernels": kernel_summary()["kernels"],  # after the runs loaded them
                     "weight_bytes": memory.weight_bytes,
                     "weight_bytes_note": WEIGHT_NOTE,
                     "state_bytes": memory.backing_state_ram
