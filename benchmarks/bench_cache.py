@@ -516,6 +516,7 @@ def _run_child(args: argparse.Namespace, role: str, limit: str | None) -> dict[s
 
     proc = subprocess.run(argv, preexec_fn=preexec, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
+        out.unlink()
         raise SystemExit(f"bench_cache --big: the {role} child failed:\n{proc.stderr[-3000:]}")
     row: dict[str, Any] = json.loads(out.read_text())
     out.unlink()
