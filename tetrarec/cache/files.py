@@ -20,13 +20,18 @@ from pathlib import Path
 import torch
 
 from tetrarec.embedding import SparseOptimizerSpec
+from tetrarec.embedding.init import INIT_CHUNK_ROWS
 from tetrarec.kernels import FusedEmbeddingBagCollection
 
 __all__ = ["map_to_files"]
 
 
 def map_to_files(
-    module: FusedEmbeddingBagCollection, optimizer: SparseOptimizerSpec, root: str | None
+    module: FusedEmbeddingBagCollection,
+    optimizer: SparseOptimizerSpec,
+    root: str | None,
+    *,
+    init_chunk_rows: int = INIT_CHUNK_ROWS,  # init_rows draws rows in chunks of this
 ) -> Path:
     """Back a meta-device ``module``'s storages by files, then write its initial rows.
 
@@ -35,6 +40,11 @@ def map_to_files(
         optimizer: its optimizer (the initial value of Adagrad's state).
         root: the directory for the files' directory (default: the system's temporary
             directory, often a RAM-backed tmpfs: point it at the SSD).
+        init_chunk_rows: rows of each table initialized at a time. Each chunk is a
+            temporary FP32 block in process memory (16 MiB at D = 64 for the default,
+            ``init_rows``'s own chunk, so no row is drawn twice), small beside a memory
+            budget the file-backed table may exceed many times over; the in-memory
+            default of ``_init_weights`` (1M rows, 256 MB at D = 64) is not.
 
     Returns:
         The new directory holding the files (the caller deletes it).
@@ -54,5 +64,6 @@ def map_to_files(
             st = torch.from_file(str(path), shared=True, size=n, dtype=torch.float32)
             st.fill_(optimizer.initial_accumulator if name == "sum" else 0.0)
             setattr(module, f"_state_{s}_{k}", st)
-    module._init_weights()  # the same initial rows as in memory (init_rows)
+    # the same initial rows as in memory (init_rows), in small chunks
+    module._init_weights(chunk_rows=init_chunk_rows)
     return directory

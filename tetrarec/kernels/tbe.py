@@ -204,9 +204,11 @@ class FusedEmbeddingBagCollection(nn.Module):
         return out
 
     @torch.no_grad()
-    def _init_weights(self) -> None:
-        # The same rows as every other collection and layout with this seed (init_rows).
-        step = 1 << 20
+    def _init_weights(self, chunk_rows: int = 1 << 20) -> None:
+        # The same rows as every other collection and layout with this seed (init_rows),
+        # written chunk_rows at a time: each chunk is a temporary (chunk_rows, D) FP32
+        # block (256 MB at 1M x 64), so a store on file asks for smaller chunks.
+        step = chunk_rows
         for i, (t, sl) in enumerate(zip(self.tables, self.slices)):
             dst = self._table_rows(i)
             cols = (sl.col_start, sl.col_start + t.dim)

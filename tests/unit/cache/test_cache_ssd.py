@@ -2,11 +2,17 @@
 
 import dataclasses
 import gc
+import resource
+import shutil
+from pathlib import Path
 
+import pytest
 import torch
 
 from tetrarec.cache import CachedEmbeddingBagCollection, CacheSpec
+from tetrarec.cache.files import map_to_files
 from tetrarec.embedding import SparseOptimizerSpec, TableConfig
+from tetrarec.kernels import FusedEmbeddingBagCollection
 from tetrarec.sparse import SparseFeatures
 from tetrarec.types import Precision
 
@@ -80,3 +86,39 @@ def test_ssd_tier_with_every_table_on_file(tmp_path):
     for name, w in ram.table_weights().items():
         assert torch.equal(ssd.table_weights()[name], w), name
     assert ssd.memory().backing_ram == 0
+
+
+def test_ssd_rows_written_in_small_chunks_are_the_in_memory_rows(tmp_path):
+    """Catches: a chunked write of the initial rows into the files that skips, repeats
+    or shifts rows at chunk boundaries (7-row chunks over 40 and 20 rows)."""
+    fused = FusedEmbeddingBagCollection(TABLES, ADAGRAD, seed=5)
+    meta = FusedEmbeddingBagCollection(TABLES, ADAGRAD, seed=5, device="meta")
+    directory = map_to_files(meta, ADAGRAD, str(tmp_path), init_chunk_rows=7)
+    for i in range(len(TABLES)):
+        assert torch.equal(meta._table_rows(i), fused._table_rows(i)), TABLES[i].name
+    shutil.rmtree(directory)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_ssd_table_beyond_a_data_limit_initializes_in_chunks(tmp_path):
+    """An SSD table of 400k x 64 INT8 rows builds with 112 MiB of private memory to spare.
+
+    Catches: the initial rows written in chunks of up to 1M FP32 rows (here the whole
+    table at once: 102 MB of process memory, more than its 27 MB file) when the store
+    is a file, which breaks any memory budget the file-backed table is meant to exceed.
+    """
+    table = TableConfig(name="big", num_embeddings=400_000, dim=64, precision="int8")
+    spec = CacheSpec(fraction=0.001, directory=str(tmp_path))
+    # imports and the kernel library load before the limit (they map memory too)
+    small = dataclasses.replace(table, num_embeddings=10)
+    CachedEmbeddingBagCollection([small], ADAGRAD, spec, placements={"big": "ssd"})
+    gc.collect()
+    with open("/proc/self/status") as f:
+        vm_data = next(int(ln.split()[1]) for ln in f if ln.startswith("VmData:")) * 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (vm_data + 112 * 2**20, hard))
+    try:
+        ebc = CachedEmbeddingBagCollection([table], ADAGRAD, spec, placements={"big": "ssd"})
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+    assert ebc.memory().backing_ssd == 400_000 * Precision.INT8.row_bytes(64)
