@@ -61,7 +61,6 @@ def test_calibrate_writes_a_topology_of_measured_figures(tmp_path: Path) -> None
     # per-rank rates come from the ranks measured at once
     stage = row("per-rank collective_latency_s")
     assert topo["collective_latency_s"] == pytest.approx(stage, 1e-5)
-    assert stage > row("all_to_all latency W=2")  # a stage is more than a bare collective
     assert topo["intra_node_bandwidth"] == pytest.approx(row("all_to_all bandwidth W=2"), 1e-5)
     assert topo["rank"]["host_bandwidth"] == pytest.approx(row("per-rank lookup_bandwidth"), 1e-5)
     assert topo["rank"]["matmul_flops"] == pytest.approx(row("per-rank matmul_flops"), 1e-5)
