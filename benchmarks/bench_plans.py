@@ -51,6 +51,7 @@ sys.path.insert(1, str(_HERE.parent))  # run from a checkout without installing
 from _harness import describe_run, kernel_summary, print_table, write_json  # noqa: E402
 from bench_calibrate import combine_rank_rates, host_memory_bytes, rank_rates  # noqa: E402
 from bench_dlrm import NUM_DENSE, zipf_ids  # noqa: E402
+from bench_sharding import _WithDense, training_step  # noqa: E402
 
 from tetrarec.embedding import TableConfig  # noqa: E402
 from tetrarec.models import DLRMConfig  # noqa: E402
@@ -360,34 +361,11 @@ def _step(cfg: Config, splan: ShardingPlan, ctx: Any) -> Any:
     model = build_model(cfg.dlrm(), emb)
     env = ShardingEnv(ctx.comm, ctx.world_size, dense_comm=ctx.dense_comm)
     forward = shard_model(model, splan, env)
-    dense_opt = torch.optim.Adagrad(list(model.dense_parameters()), lr=cfg.lr)
-    sparse_opt = model.embeddings.fused_optimizer
     batches = [
         (d, SparseFeatures.from_lengths(cfg.names, v, ln).with_value_counts(), y)
         for d, v, ln, y in rank_batches(cfg, ctx.rank, ctx.world_size)
     ]
-    it = [0]
-
-    def step() -> None:
-        dense, sparse, labels = batches[it[0] % len(batches)]
-        it[0] += 1
-        dense_opt.zero_grad(set_to_none=True)
-        logits = forward(dense, sparse)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
-        torch.autograd.backward(loss / cfg.batch)
-        dense_opt.step()
-        sparse_opt.step()
-
-    return step
-
-
-@dataclass(frozen=True)
-class _WithDense:
-    inner: Any
-    dense_comm: Any
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+    return training_step(model, forward, batches, lr=cfg.lr, global_batch=cfg.batch)
 
 
 def measure_worker(ctx: Any, cfg: Config, plans: dict[str, dict[str, Any]]) -> dict[str, Any]:

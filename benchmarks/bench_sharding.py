@@ -141,14 +141,22 @@ def tetrarec_step(cfg: Config, kind: str, ctx: Any) -> Any:
         emb = FusedEmbeddingBagCollection(tables, spec, seed=cfg.seed, device="meta")
         model = build_model(dlrm, emb)
         forward = shard_model(model, plan, env)
-    dense_opt = torch.optim.Adagrad(list(model.dense_parameters()), lr=cfg.lr)
-    sparse_opt = model.embeddings.fused_optimizer
     keys = tuple(f"t{i}" for i in range(cfg.tables))
     rank = ctx.rank if ctx is not None else 0
     batches = [
         (d, SparseFeatures.from_lengths(keys, v, ln).with_value_counts(), y)
         for d, v, ln, y in rank_batches(cfg, rows, rank, world)
     ]
+    return training_step(model, forward, batches, lr=cfg.lr, global_batch=cfg.batch)
+
+
+def training_step(
+    model: Any, forward: Any, batches: list[Any], *, lr: float, global_batch: int
+) -> Any:
+    """A zero-argument DLRM training step over ``batches`` (cycled): dense Adagrad, the
+    fused sparse optimizer, and the loss of this rank's samples over the global batch."""
+    dense_opt = torch.optim.Adagrad(list(model.dense_parameters()), lr=lr)
+    sparse_opt = model.embeddings.fused_optimizer
     it = [0]
 
     def step() -> None:
@@ -157,7 +165,7 @@ def tetrarec_step(cfg: Config, kind: str, ctx: Any) -> Any:
         dense_opt.zero_grad(set_to_none=True)
         logits = forward(dense, sparse)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
-        torch.autograd.backward(loss / cfg.batch)
+        torch.autograd.backward(loss / global_batch)
         dense_opt.step()
         sparse_opt.step()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,11 +22,11 @@ __all__ = ["collectives_per_step_worker"]
 def collectives_per_step_worker(
     ctx: RankContext,
     tables: list[TableConfig],
-    optimizer: OptimizerKind,
+    optimizers: Sequence[OptimizerKind],
     plans: dict[str, dict[str, Any]],
     steps: int = 2,
-) -> dict[str, float]:
-    """Collective calls per training step (embedding and dense groups) of each plan.
+) -> list[dict[str, float]]:
+    """Per optimizer: each plan's collective calls per training step (both groups).
 
     A small DLRM over ``tables`` (pooling 2, local batch 4) is sharded by each plan and
     trained one step, then ``steps`` steps are counted.
@@ -42,21 +43,20 @@ def collectives_per_step_worker(
         keys, values, torch.full((len(tables) * batch,), 2, dtype=torch.int64)
     ).with_value_counts()
     dense = torch.randn(batch, 3, generator=gen)
-    out = {}
-    for name, d in plans.items():
-        spec = SparseOptimizerSpec(kind=optimizer, lr=0.01)
-        emb = FusedEmbeddingBagCollection(tables, spec, seed=0, device="meta")
-        model = build_model(
-            DLRMConfig(num_dense=3, bottom_mlp=(8, tables[0].dim), top_mlp=(8, 1), seed=0), emb
-        )
-        forward = shard_model(model, ShardingPlan.from_dict(d), env)
-        calls = 0
-        for i in range(steps + 1):
-            if i == 1:
-                ctx.comm.reset_stats()
-                dense_comm.reset_stats()
-            forward(dense, feats).sum().backward()
-        for comm in (ctx.comm, dense_comm):
-            calls += sum(s.calls for s in comm.stats.values())
-        out[name] = calls / steps
+    out = []
+    for optimizer in optimizers:
+        counts = {}
+        for name, d in plans.items():
+            spec = SparseOptimizerSpec(kind=optimizer, lr=0.01)
+            emb = FusedEmbeddingBagCollection(tables, spec, seed=0, device="meta")
+            dlrm = DLRMConfig(num_dense=3, bottom_mlp=(8, tables[0].dim), top_mlp=(8, 1), seed=0)
+            forward = shard_model(build_model(dlrm, emb), ShardingPlan.from_dict(d), env)
+            for i in range(steps + 1):
+                if i == 1:
+                    ctx.comm.reset_stats()
+                    dense_comm.reset_stats()
+                forward(dense, feats).sum().backward()
+            calls = sum(s.calls for c in (ctx.comm, dense_comm) for s in c.stats.values())
+            counts[name] = calls / steps
+        out.append(counts)
     return out
