@@ -240,10 +240,9 @@ def row_gradient_shares(
     offsets = offsets_from_lengths(lengths.long())
     _check_ids_before_update(values, offsets, one_table, grad_out.shape[0])
     prec = Precision(precision)
-    ids, grads = _per_id_grads(
-        grad_out, weights, host, t, values, offsets, per_sample_weights, None, prec
+    uniq, g = summed_row_gradients(  # (U,), (U, D)
+        grad_out, weights, meta, t, values, lengths, per_sample_weights, precision
     )
-    uniq, g = _sum_duplicates(ids, grads, deterministic=True)  # (U,), (U, D)
     if weight_decay:
         w_off, dims, rows = host[0][t], host[1][t], host[2][t]
         w = decode_rows(table_view(weights, prec, w_off, rows, dims)[uniq], prec, dims)
