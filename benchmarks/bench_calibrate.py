@@ -44,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,12 @@ SMOKE_MATMUL_SHAPES = ((256, 128, 128), (256, 256, 256))
 SSD_BLOCK = 4096
 RANKS_PER_NODE = 2
 POOLING = 8  # ids per bag of the per-rank lookup rates (per-id work, not per-bag output)
+#: The sharding groups whose routing is calibrated, each by one of its types.
+ROUTE_GROUPS = (("block", "table_wise"), ("row", "row_wise"), ("replicated", "data_parallel"))
+#: (pooling, dim) of the routing points: a base, 8x the ids, 4x the pooled values.
+ROUTE_POINTS = ((2, 32), (16, 32), (2, 128))
+ROUTE_BATCH = 2048  # global batch of the routing points
+ROUTE_ROWS = 256  # rows of each routing table: the kernels' rows stay in the CPU's caches
 
 
 # --- (a) random-row gather --------------------------------------------------------------
@@ -240,6 +247,7 @@ def rank_rates(
     a2a_floats: int,
     iters: int,
     mlps: tuple[tuple[int, tuple[int, ...]], ...] = ((13, (512, 256, 64)),),
+    route_batch: int = ROUTE_BATCH,
 ) -> dict[str, float]:
     """This rank's rates while every rank of ``ctx`` measures the same at once.
 
@@ -260,6 +268,8 @@ def rank_rates(
       ``a2a_floats`` floats per peer (``a2a_worker``).
     - ``stage_s``: the fixed seconds of one collective stage of a sharded lookup
       (``_stage_seconds``), the cost model's ``collective_latency_s``.
+    - ``route <group> p<P> d<D>``: a sharded lookup's training step per sharding group
+      and routing point (``_route_seconds``), fitted by ``fit_routing``.
     """
     from tetrarec.embedding import SparseOptimizerSpec, TableConfig
     from tetrarec.kernels import FusedEmbeddingBagCollection
@@ -293,8 +303,14 @@ def rank_rates(
     # Slopes over 3 ids more per id remove the fixed cost of a call. In a tiny table
     # every id repeats a cached row: only the per-id work is left (forward + backward);
     # in a big one, uniform ids are distinct rows: per-id work plus the rows' bytes.
-    tiny = (lookup_seconds(256, 4 * ids) - lookup_seconds(256, ids)) / (3 * ids)
-    big = (lookup_seconds(rows, 4 * ids) - lookup_seconds(rows, ids)) / (3 * ids)
+    # Where noise (other work on the machine) leaves a slope <= 0, the larger point's
+    # seconds per id bound it instead (fixed cost included: an overestimate, never 0).
+    tiny_4 = lookup_seconds(256, 4 * ids)
+    tiny = (tiny_4 - lookup_seconds(256, ids)) / (3 * ids)
+    tiny = tiny if tiny > 0 else tiny_4 / (4 * ids)
+    big_4 = lookup_seconds(rows, 4 * ids)
+    big = (big_4 - lookup_seconds(rows, ids)) / (3 * ids)
+    big = big if big > tiny else max(big_4 / (4 * ids), 2 * tiny)
     row_bytes, state_bytes = DIM * 4, 4  # FP32 row, one row-wise Adagrad sum
     lookup_ids_per_s = 2 / tiny if tiny > 0 else 0.0
     lookup_bandwidth = (3 * row_bytes + 2 * state_bytes) / max(big - max(tiny, 0.0), 1e-12)
@@ -328,6 +344,7 @@ def rank_rates(
         "a2a_small_s": statistics.median(a2a["1"]),
         "a2a_large_s": statistics.median(a2a[str(a2a_floats)]),
         "stage_s": _stage_seconds(ctx, iters),
+        **_route_seconds(ctx, route_batch, iters),
     }
 
 
@@ -360,6 +377,111 @@ def _stage_seconds(ctx: Any, iters: int) -> float:
     return measure(step, warmup=3, iters=max(iters, 10)).median / 4
 
 
+def _route_seconds(ctx: Any, batch: int, iters: int) -> dict[str, float]:
+    """Training steps of a sharded lookup per sharding group (``ROUTE_GROUPS``) at each
+    ``ROUTE_POINTS`` (pooling, dim): one table of ``ROUTE_ROWS`` rows per rank, whose
+    rows stay in the CPU's caches, so what grows with the ids and the pooled values is
+    the group's routing around the kernels (``fit_routing``). ``batch`` is global."""
+    from tetrarec.embedding import SparseOptimizerSpec, TableConfig
+    from tetrarec.kernels import FusedEmbeddingBagCollection
+    from tetrarec.sharding import ShardingEnv, plan_by_type, shard_collection
+    from tetrarec.sparse import SparseFeatures
+    from tetrarec.types import OptimizerKind, ShardingType
+
+    w = ctx.world_size
+    local = max(1, batch // w)
+    gen = torch.Generator().manual_seed(ctx.rank)
+    spec = SparseOptimizerSpec(kind=OptimizerKind.ROWWISE_ADAGRAD, lr=0.01)
+    out = {}
+    for group, sharding in ROUTE_GROUPS:
+        for pooling, dim in ROUTE_POINTS:
+            tables = [
+                TableConfig(name=f"r{r}", num_embeddings=ROUTE_ROWS, dim=dim) for r in range(w)
+            ]
+            module = FusedEmbeddingBagCollection(tables, spec, seed=0, device="meta")
+            splan = plan_by_type(tables, ShardingType(sharding), world_size=w)
+            sharded = shard_collection(module, splan, ShardingEnv(ctx.comm))
+            n = w * local * pooling
+            feats = SparseFeatures.from_lengths(
+                tuple(t.name for t in tables),
+                torch.randint(0, ROUTE_ROWS, (n,), generator=gen),
+                torch.full((w * local,), pooling, dtype=torch.long),
+            ).with_value_counts()
+
+            def step(sharded: Any = sharded, feats: SparseFeatures = feats) -> None:
+                sharded(feats).values.sum().backward()
+
+            ctx.comm.barrier(label="calib")
+            out[route_key(group, pooling, dim)] = measure(
+                step, warmup=2, iters=max(iters, 5)
+            ).median
+    return out
+
+
+def route_key(group: str, pooling: int, dim: int) -> str:
+    """The ``rank_rates`` key of a routing point."""
+    return f"route {group} p{pooling} d{dim}"
+
+
+def fit_routing(rates: dict[str, float], topology: Any, batch: int) -> dict[str, float]:
+    """The topology's ``<group>_route_s_per_id`` / ``_per_value`` from the routing points.
+
+    Each point's step (``rates``, seconds: the slowest rank's) less what the cost model
+    predicts for it on ``topology`` without routing is the routing's (plus a fixed part);
+    the slopes over the points that add ids and pooled values are the rates, in the
+    units of ``tetrarec.planner.cost.route_seconds`` (clamped at 0).
+    """
+    from tetrarec.embedding import TableConfig
+    from tetrarec.planner import AccessStats, PlannerInputs, TableSpec, predict
+    from tetrarec.planner.cost import Option, route_seconds
+    from tetrarec.sharding import plan_by_type
+    from tetrarec.types import ShardingType
+
+    w = topology.world_size
+    out: dict[str, float] = {}
+    for group, sharding in ROUTE_GROUPS:
+        kind = ShardingType(sharding)
+        residual, units = [], []
+        for pooling, dim in ROUTE_POINTS:
+            tables = tuple(
+                TableSpec(
+                    name=f"r{r}",
+                    rows=ROUTE_ROWS,
+                    dim=dim,
+                    features=(f"r{r}",),
+                    stats=(AccessStats(mean_pooling=pooling),),
+                )
+                for r in range(w)
+            )
+            inputs = PlannerInputs(tables=tables, batch_size=batch, topology=topology)
+            configs = [TableConfig(name=t.name, num_embeddings=t.rows, dim=t.dim) for t in tables]
+            predicted = predict(inputs, plan_by_type(configs, kind, world_size=w)).step_s
+            residual.append(rates[route_key(group, pooling, dim)] - predicted)
+            # the points' ids and values in route_seconds' units: price 1 s per id, then
+            # 1 s per value, on a topology with only that rate
+            option = Option(
+                sharding=kind,
+                blocks=1 if group == "block" else w,
+                tier=topology.fast_tier,
+                precision=tables[0].precision,
+            )
+            per = []
+            for field in (f"{group}_route_s_per_id", f"{group}_route_s_per_value"):
+                one = replace(topology, rank=replace(topology.rank, **{field: 1.0}))
+                probe = replace(inputs, topology=one)
+                per.append(sum(route_seconds(probe, t, option) for t in tables))
+            units.append(per)
+        base, more_ids, more_values = range(3)
+        d_ids = units[more_ids][0] - units[base][0]
+        d_values = units[more_values][1] - units[base][1]
+        per_value = (residual[more_values] - residual[base]) / d_values
+        # the ids point keeps the values: what is left over is the ids'
+        per_id = (residual[more_ids] - residual[base]) / d_ids
+        out[f"{group}_route_s_per_id"] = max(per_id, 0.0)
+        out[f"{group}_route_s_per_value"] = max(per_value, 0.0)
+    return out
+
+
 def combine_rank_rates(results: list[dict[str, float]], a2a_floats: int) -> dict[str, float]:
     """One figure per rate over the ranks of a ``rank_rates`` run: the slowest rank's
     compute rates (a step waits for it) and the collectives' times as they end (on their
@@ -375,6 +497,11 @@ def combine_rank_rates(results: list[dict[str, float]], a2a_floats: int) -> dict
         "a2a_latency_s": small,
         "collective_latency_s": max(r["stage_s"] for r in results),
         "link_bandwidth": extra / (large - small) if large > small else extra / large,
+        **{
+            k: max(r[k] for r in results)  # a step ends with its slowest rank
+            for k in results[0]
+            if k.startswith("route ")
+        },
     }
 
 
@@ -470,6 +597,9 @@ def rank_rate_rows(world: int, cores: int, smoke: bool) -> list[dict[str, Any]]:
         collective_timeout_s=300,
         deterministic=False,
     )
+    rates = combine_rank_rates(res, kw["a2a_floats"])
+    routes = {k: rates.pop(k) for k in list(rates) if k.startswith("route ")}
+    rates |= fit_routing(routes, rates_topology(rates, world, cores), ROUTE_BATCH)
     units = {
         "lookup_bandwidth": "B/s",
         "lookup_ids_per_s": "1/s",
@@ -478,17 +608,53 @@ def rank_rate_rows(world: int, cores: int, smoke: bool) -> list[dict[str, Any]]:
         "collective_latency_s": "s",
         "link_bandwidth": "B/s",
     }
-    return [
+    rows = [
         {
             "impl": f"{world} ranks at once",
             "what": f"per-rank {k}",
             "world_size": world,
             "ms": float("nan"),
             "value": v,
-            "unit": units[k],
+            "unit": units.get(k, "s"),
         }
-        for k, v in combine_rank_rates(res, kw["a2a_floats"]).items()
+        for k, v in rates.items()
     ]
+    rows += [
+        {
+            "impl": f"{world} ranks at once",
+            "what": k,
+            "world_size": world,
+            "ms": v * 1e3,
+            "value": v,
+            "unit": "s",
+        }
+        for k, v in routes.items()
+    ]
+    return rows
+
+
+def rates_topology(rates: dict[str, float], world: int, cores: int, name: str = "") -> Any:
+    """The one-node ``Topology`` of ``world`` ranks sharing ``cores`` cores with the
+    per-rank ``rates`` of ``combine_rank_rates`` (and ``fit_routing``'s, when present)."""
+    from tetrarec.planner import RankResources, Topology
+
+    routing = {k: v for k, v in rates.items() if "_route_s_per_" in k}
+    return Topology(
+        name=name or f"calibrated-{world}-ranks",
+        nodes=1,
+        ranks_per_node=world,
+        cores_per_node=cores,
+        collective_latency_s=rates["collective_latency_s"],
+        intra_node_bandwidth=rates["link_bandwidth"],
+        inter_node_bandwidth=rates["link_bandwidth"],
+        rank=RankResources(
+            host_memory=host_memory_bytes() / world,
+            host_bandwidth=rates["lookup_bandwidth"],
+            matmul_flops=rates["matmul_flops"],
+            lookup_ids_per_s=rates["lookup_ids_per_s"],
+            **routing,
+        ),
+    )
 
 
 def topology(results: list[dict[str, Any]], ssd_dir: Path) -> dict[str, Any]:
@@ -519,6 +685,11 @@ def topology(results: list[dict[str, Any]], ssd_dir: Path) -> dict[str, Any]:
             "ssd_bandwidth": ssd_rows[0]["value"] if ssd_rows else 0.0,
             "matmul_flops": pick("per-rank matmul_flops"),
             "lookup_ids_per_s": pick("per-rank lookup_ids_per_s"),
+            **{
+                k: pick(f"per-rank {k}")
+                for g, _ in ROUTE_GROUPS
+                for k in (f"{g}_route_s_per_id", f"{g}_route_s_per_value")
+            },
         },
     }
 
@@ -597,6 +768,9 @@ def main(argv: list[str] | None = None) -> None:
         "table (distinct rows) and a tiny one (repeated rows), slopes over the ids",
         "  matmul_flops: a training step of a 13-512-256-64 MLP (3 x forward FLOPs / s)",
         "  collective_latency_s: a tiny table-wise sharded lookup (4 collective stages) / 4",
+        "  <group>_route_s_per_id / _per_value: sharded lookups of tiny tables per sharding "
+        "group, slopes over the ids and pooled values of what the cost model does not "
+        "predict without them (bench_calibrate.fit_routing)",
         f"intra_node_bandwidth: all_to_all_v on {RANKS_PER_NODE} gloo ranks of this machine "
         f"(loopback: memory copies, not a network), {a2a_mib:g} MiB/peer",
         "inter_node_bandwidth: NOT measured (one node): the intra-node figure",

@@ -49,7 +49,13 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.insert(1, str(_HERE.parent))  # run from a checkout without installing
 from _harness import describe_run, kernel_summary, print_table, write_json  # noqa: E402
-from bench_calibrate import combine_rank_rates, host_memory_bytes, rank_rates  # noqa: E402
+from bench_calibrate import (  # noqa: E402
+    ROUTE_BATCH,
+    combine_rank_rates,
+    fit_routing,
+    rank_rates,
+    rates_topology,
+)
 from bench_dlrm import NUM_DENSE, zipf_ids  # noqa: E402
 from bench_sharding import _WithDense, training_step  # noqa: E402
 
@@ -58,7 +64,6 @@ from tetrarec.models import DLRMConfig  # noqa: E402
 from tetrarec.planner import (  # noqa: E402
     AccessStats,
     PlannerInputs,
-    RankResources,
     TableSpec,
     Topology,
     dense_cost,
@@ -330,22 +335,9 @@ def calibrated_topology(cfg: Config, world: int) -> tuple[Topology, dict[str, fl
     )
     floats = 4096 if cfg.smoke else 1 << 20
     rates = combine_rank_rates(res, floats)
-    topo = Topology(
-        name=f"calibrated-{world}-ranks",
-        nodes=1,
-        ranks_per_node=world,
-        cores_per_node=cfg.cores,
-        collective_latency_s=rates["collective_latency_s"],
-        intra_node_bandwidth=rates["link_bandwidth"],
-        inter_node_bandwidth=rates["link_bandwidth"],
-        rank=RankResources(
-            host_memory=host_memory_bytes() / world,
-            host_bandwidth=rates["lookup_bandwidth"],
-            matmul_flops=rates["matmul_flops"],
-            lookup_ids_per_s=rates["lookup_ids_per_s"],
-        ),
-    )
-    return topo, rates
+    routes = {k: rates.pop(k) for k in list(rates) if k.startswith("route ")}
+    rates |= fit_routing(routes, rates_topology(rates, world, cfg.cores), ROUTE_BATCH)
+    return rates_topology(rates, world, cfg.cores), rates | routes
 
 
 def _step(cfg: Config, splan: ShardingPlan, ctx: Any) -> Any:

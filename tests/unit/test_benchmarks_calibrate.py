@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,8 @@ TOP_KEYS = {
 RANK_KEYS = {
     "device_memory", "host_memory", "ssd", "device_bandwidth", "host_bandwidth",
     "ssd_bandwidth", "matmul_flops", "lookup_ids_per_s",
+    "block_route_s_per_id", "block_route_s_per_value", "row_route_s_per_id",
+    "row_route_s_per_value", "replicated_route_s_per_id", "replicated_route_s_per_value",
 }  # fmt: skip
 MEASURED = ("host_memory", "ssd", "host_bandwidth", "ssd_bandwidth", "matmul_flops",
             "lookup_ids_per_s")  # fmt: skip
@@ -67,3 +70,52 @@ def test_calibrate_writes_a_topology_of_measured_figures(tmp_path: Path) -> None
     ids_rate = row("per-rank lookup_ids_per_s")
     assert topo["rank"]["lookup_ids_per_s"] == pytest.approx(ids_rate, 1e-5)
     assert topo["rank"]["ssd_bandwidth"] == pytest.approx(row("ssd random read"), 1e-5)
+    for key in RANK_KEYS:
+        if "_route_s_per_" in key:  # fitted slopes: >= 0 (clamped), the rows' figures
+            assert topo["rank"][key] >= 0, key
+            assert topo["rank"][key] == pytest.approx(row(f"per-rank {key}"), 1e-5, abs=1e-15)
+
+
+def test_routing_fit_recovers_planted_rates() -> None:
+    """Fails if ``fit_routing`` reads the points in other units than the cost model
+    charges (``route_seconds``), swaps ids and values, mixes the groups, or keeps a
+    fixed per-step cost in the slopes: steps made by the cost model itself with known
+    routing rates plus a constant must give those rates back."""
+    sys.path.insert(0, str(BENCH))
+    from bench_calibrate import ROUTE_GROUPS, ROUTE_POINTS, fit_routing, route_key
+
+    from tetrarec.embedding import TableConfig
+    from tetrarec.planner import AccessStats, PlannerInputs, TableSpec, Topology, predict
+    from tetrarec.sharding import plan_by_type
+    from tetrarec.types import ShardingType
+
+    bare = replace(Topology.preset("this-machine"), ranks_per_node=4, cores_per_node=2)
+    planted = {
+        "block_route_s_per_id": 3e-8,
+        "block_route_s_per_value": 2e-9,
+        "row_route_s_per_id": 9e-8,
+        "row_route_s_per_value": 4e-9,
+        "replicated_route_s_per_id": 5e-8,
+        "replicated_route_s_per_value": 0.0,
+    }
+    routed = replace(bare, rank=replace(bare.rank, **planted))
+    steps = {}
+    for group, sharding in ROUTE_GROUPS:
+        for pooling, dim in ROUTE_POINTS:
+            names = [f"r{r}" for r in range(4)]
+            specs = tuple(
+                TableSpec(name=n, rows=256, dim=dim, features=(n,),
+                          stats=(AccessStats(mean_pooling=pooling),))
+                for n in names
+            )  # fmt: skip
+            plan = plan_by_type(
+                [TableConfig(name=n, num_embeddings=256, dim=dim) for n in names],
+                ShardingType(sharding),
+                world_size=4,
+            )
+            inputs = PlannerInputs(tables=specs, batch_size=2048, topology=routed)
+            steps[route_key(group, pooling, dim)] = predict(inputs, plan).step_s + 0.004
+    got = fit_routing(steps, bare, 2048)
+    assert set(got) == set(planted)
+    for key, want in planted.items():
+        assert got[key] == pytest.approx(want, rel=1e-6, abs=1e-15), key

@@ -58,6 +58,17 @@ output gradients), one more for the block group's row-wise optimizer state share
 it holds CW/TWCW tables, 3 for the replicated group (sizes, ids, gradients), and 1 for
 the dense gradient.
 
+**Routing** (host-side work of a sharding group beyond the kernels and the link:
+bucketizing and regrouping ids, copying and summing pooled values; calibrated per group
+as ``rank.<group>_route_s_per_id`` and ``_per_value``): every rank, per table, for its
+``b P`` ids and ``b d`` pooled values with ``k`` shards (``option.blocks``)::
+
+    route_s = ids s_id + values s_value
+    block (TW, CW, TWCW): ids = b P k    values = b d        (each id goes to k blocks)
+    row (RW, TWRW):       ids = b P      values = b d k      (k partial sums per value)
+    replicated (DP):      ids = b P k    values = b d k      (the global batch's ids and
+                                                               output gradients, k = W)
+
 **Dense part** (the same on every rank)::
 
     dense_s = b flops_per_sample / matmul_flops + 2 (W - 1) / W params E spb_ring
@@ -98,6 +109,7 @@ __all__ = [
     "link_seconds_per_byte",
     "option_groups",
     "ring_seconds_per_byte",
+    "route_seconds",
     "shard_cost",
     "shared_compute",
     "uniform_cost",
@@ -198,7 +210,7 @@ class Uniform:
         bytes_in: inbound bytes per step per rank (all-to-all).
         bytes_out: outbound bytes per step per rank (all-to-all).
         buffers: fast-tier buffer bytes per rank.
-        seconds: other communication seconds per rank (a DP table's all-reduce).
+        seconds: the table's host-side routing seconds per rank (``route_seconds``).
     """
 
     bytes_in: float
@@ -323,13 +335,44 @@ def uniform_cost(inputs: PlannerInputs, table: TableSpec, option: Option) -> Uni
     if option.sharding is ShardingType.DATA_PARALLEL:
         mine = local_batch * (table.pooling * ID_BYTES + table.dim * OUT_BYTES)
         # buffers: every rank's ids and gradients, gathered
-        return Uniform(bytes_in=(w - 1) * mine, bytes_out=(w - 1) * mine, buffers=w * mine)
+        return Uniform(
+            bytes_in=(w - 1) * mine,
+            bytes_out=(w - 1) * mine,
+            buffers=w * mine,
+            seconds=route_seconds(inputs, table, option),
+        )
     if option.sharding in _PARTIAL_SUMS:
         answered = option.blocks * local_batch * table.dim * OUT_BYTES
     else:
         answered = local_batch * table.dim * OUT_BYTES  # the blocks' widths sum to d
     ids_out = local_batch * table.pooling * ID_BYTES
-    return Uniform(bytes_in=answered, bytes_out=ids_out + answered, buffers=ids_out + 2 * answered)
+    return Uniform(
+        bytes_in=answered,
+        bytes_out=ids_out + answered,
+        buffers=ids_out + 2 * answered,
+        seconds=route_seconds(inputs, table, option),
+    )
+
+
+def route_seconds(inputs: PlannerInputs, table: TableSpec, option: Option) -> float:
+    """Host-side routing seconds ``table`` stored as ``option`` costs every rank.
+
+    Formula in the module docstring (0 without calibrated routing rates).
+    """
+    group = GROUP_OF[option.sharding]
+    per_id, per_value = inputs.topology.rank.route_rates(group)
+    if per_id == 0 and per_value == 0:
+        return 0.0
+    b = inputs.batch_size / inputs.topology.world_size
+    k = option.blocks
+    ids, values = b * table.pooling, b * table.dim
+    if group == "block":
+        ids *= k
+    elif group == "row":
+        values *= k
+    else:
+        ids, values = ids * k, values * k
+    return ids * per_id + values * per_value
 
 
 def option_groups(table: TableSpec, option: Option) -> frozenset[str]:

@@ -18,6 +18,8 @@ All sizes are bytes, bandwidths bytes per second, times seconds::
     ssd_bandwidth = 1e9
     matmul_flops = 5e10                # dense matrix rate (FP32)
     lookup_ids_per_s = 5e7             # optional: per-id lookup work (0: not charged)
+    row_route_s_per_id = 2e-8          # optional: a sharding group's host-side work per
+    row_route_s_per_value = 1e-9       #   id and per pooled value (also block_, replicated_)
 
 A tier with capacity 0 does not exist; on a machine without a device the host memory is
 the fast tier. Presets live in ``presets/*.toml`` (``Topology.preset(name)``).
@@ -56,6 +58,12 @@ class RankResources:
     (sorting ids, summing their gradients: ids that repeat a row in a step cost this,
     not a row read); 0 leaves it out.
 
+    ``<group>_route_s_per_id`` and ``<group>_route_s_per_value`` are the host-side
+    seconds a sharding group (``block``: TW/CW/TWCW, ``row``: RW/TWRW, ``replicated``:
+    DP) spends on each id it routes and each pooled value it moves, beyond the kernels
+    and the link (bucketizing, regrouping, copies, partial sums; units in
+    ``cost.route_seconds``); 0 leaves them out.
+
     Raises:
         ValueError: naming a negative field, or a tier with capacity but no bandwidth.
     """
@@ -68,6 +76,12 @@ class RankResources:
     ssd_bandwidth: float = 0.0
     matmul_flops: float
     lookup_ids_per_s: float = 0.0
+    block_route_s_per_id: float = 0.0
+    block_route_s_per_value: float = 0.0
+    row_route_s_per_id: float = 0.0
+    row_route_s_per_value: float = 0.0
+    replicated_route_s_per_id: float = 0.0
+    replicated_route_s_per_value: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -94,6 +108,13 @@ class RankResources:
         return {Tier.DEVICE: self.device_memory, Tier.HOST: self.host_memory, Tier.SSD: self.ssd}[
             tier
         ]
+
+    def route_rates(self, group: str) -> tuple[float, float]:
+        """(seconds per id, seconds per pooled value) of sharding group ``group``'s routing."""
+        return (
+            float(getattr(self, f"{group}_route_s_per_id")),
+            float(getattr(self, f"{group}_route_s_per_value")),
+        )
 
     def bandwidth(self, tier: Tier) -> float:
         """Random-row gather bandwidth of ``tier`` (bytes/s)."""

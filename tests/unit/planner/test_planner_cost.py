@@ -24,6 +24,7 @@ from tetrarec.planner.cost import (
     latency_collectives,
     link_seconds_per_byte,
     option_groups,
+    route_seconds,
     shard_cost,
     shared_compute,
     uniform_cost,
@@ -58,7 +59,8 @@ def _u(ids: float, rows: int = 1000, h1: float = 0.3, h5: float = 0.5) -> float:
 
 
 def _opt(sharding: ShardingType = ShardingType.TABLE_WISE, **kw: object) -> Option:
-    return Option(sharding=sharding, blocks=1, tier=Tier.HOST, precision=Precision.FP32, **kw)  # type: ignore[arg-type]
+    kw.setdefault("blocks", 1)
+    return Option(sharding=sharding, tier=Tier.HOST, precision=Precision.FP32, **kw)  # type: ignore[arg-type]
 
 
 def test_state_bytes_follow_the_kernels_layout() -> None:
@@ -197,3 +199,31 @@ def test_ranks_sharing_cores_share_the_nodes_compute() -> None:
     got = shared_compute(two_nodes, [4.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
     assert got == [2.0] * 4 + [1.0] * 4
     assert shared_compute(TOPO, [3.0, 1.0]) == [3.0, 1.0]
+
+
+def test_routing_is_charged_per_group_in_its_units() -> None:
+    """Catches a group's routing rates applied to another group, the units swapped (ids
+    for values), the shards (``k``) ignored where each id or value is handled ``k``
+    times, or the routing left out of what every rank pays."""
+    rates = {
+        "block_route_s_per_id": 1.0,
+        "block_route_s_per_value": 10.0,
+        "row_route_s_per_id": 100.0,
+        "row_route_s_per_value": 1000.0,
+        "replicated_route_s_per_id": 1e4,
+        "replicated_route_s_per_value": 1e5,
+    }
+    topo = replace(TOPO, rank=replace(TOPO.rank, **rates))
+    inputs = replace(INPUTS, topology=topo)
+    b, p, d = 4, 2, 4  # local batch 8 / 2, pooling 2, dim 4
+    tw = route_seconds(inputs, TABLE, _opt())
+    assert tw == pytest.approx(b * p * 1.0 + b * d * 10.0)
+    cw = route_seconds(inputs, TABLE, _opt(ShardingType.COLUMN_WISE, blocks=2))
+    assert cw == pytest.approx(2 * b * p * 1.0 + b * d * 10.0)  # each id to 2 blocks
+    rw = route_seconds(inputs, TABLE, _opt(ShardingType.ROW_WISE, blocks=2))
+    assert rw == pytest.approx(b * p * 100.0 + 2 * b * d * 1000.0)  # 2 partial sums
+    dp = route_seconds(inputs, TABLE, _opt(ShardingType.DATA_PARALLEL, blocks=2))
+    assert dp == pytest.approx(2 * b * p * 1e4 + 2 * b * d * 1e5)  # the global batch
+    assert route_seconds(INPUTS, TABLE, _opt()) == 0.0  # not calibrated: not charged
+    assert uniform_cost(inputs, TABLE, _opt(ShardingType.ROW_WISE, blocks=2)).seconds == rw
+    assert topo.rank.route_rates("row") == (100.0, 1000.0)
