@@ -77,9 +77,8 @@ from tetrarec.embedding import (
     draw_seed,
     feature_order,
 )
-from tetrarec.kernels import FusedEmbeddingBagCollection, FusedOptimizer
-from tetrarec.kernels.quant import decode_rows, encode_rows
-from tetrarec.kernels.reference import rounding_noise
+from tetrarec.kernels import FusedEmbeddingBagCollection, FusedOptimizer, ops
+from tetrarec.kernels.quant import decode_rows
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures, permute_keys
 from tetrarec.types import Placement, PoolingMode, Precision
 
@@ -363,7 +362,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         t, c = self.tables[i], self._caches[i]
         backing, k = self._backing(i)
         cache, ck = self._slots(), self._slot_home[i]
-        cache._table_rows(ck)[slots] = decode_rows(backing._table_rows(k)[rows], t.precision, t.dim)
+        rows, slots = rows.long().contiguous(), slots.long().contiguous()
+        # one pass: gather, decode and scatter each row (the kernels' codec)
+        ops.load_rows(backing._table_rows(k), rows, cache._table_rows(ck), slots, t.precision.value)
         src = backing._table_state(k)
         for name, dst in cache._table_state(ck).items():
             dst[slots] = src[name][rows]
@@ -375,19 +376,18 @@ class CachedEmbeddingBagCollection(nn.Module):
     def _write_back(self, i: int, slots: torch.Tensor) -> None:
         """Store the FP32 rows of ``slots`` into the backing store; copy their state."""
         t, c = self.tables[i], self._caches[i]
+        slots = slots.long().contiguous()
         rows = c.slot_rows[slots]
         backing, k = self._backing(i)
         cache, ck = self._slots(), self._slot_home[i]
-        w = cache._table_rows(ck)[slots]  # (n, D) FP32
-        noise = None
-        if backing.stochastic_rounding and t.precision is not Precision.FP32:
-            # The draws the kernel would make for these rows at this iteration; the
-            # kernel itself never updates them at this iteration (they are idle).
-            sl = backing.slices[k]
-            keys = rows + sl.row_key()
-            noise = rounding_noise(backing.seed, backing.iteration, keys, sl.col_start, t.dim)
-        backing._table_rows(k)[rows] = encode_rows(
-            w, t.precision, stochastic=backing.stochastic_rounding, noise=noise
+        # The draws the kernel would make for these rows at this iteration (the kernel
+        # itself never updates them at this iteration: they are idle), drawn, encoded and
+        # scattered row by row in one pass (ops.store_rows).
+        sl = backing.slices[k]
+        stochastic = backing.stochastic_rounding and t.precision is not Precision.FP32
+        flags = [int(stochastic), backing.seed, backing.iteration, sl.row_key(), sl.col_start]
+        ops.store_rows(
+            cache._table_rows(ck), slots, backing._table_rows(k), rows, t.precision.value, flags
         )
         dst = backing._table_state(k)
         for name, src in cache._table_state(ck).items():

@@ -8,7 +8,9 @@ The ops: ``tbe_forward``, ``tbe_backward_update`` and ``tbe_row_gradient_shares`
 (table-batched embedding), two of the dense path, ``dot_interaction``
 (differentiable) and ``round_to_bf16_out`` (the BF16 emulation's rounding), which use
 the compiled kernel for contiguous FP32 tensors only, and ``copy_row_runs`` (how
-sharded collections move column blocks; any dtype).
+sharded collections move column blocks; any dtype), and ``load_rows`` / ``store_rows``
+(rows decoded from / encoded into a row store by index: the mixed-precision cache's
+admissions and write-backs).
 
 Arguments shared by the table-batched ops, for one row store (the tables of one
 precision)::
@@ -43,7 +45,9 @@ from tetrarec.kernels._build import compiled_cpu_kernels
 __all__ = [
     "copy_row_runs",
     "dot_interaction",
+    "load_rows",
     "round_to_bf16_out",
+    "store_rows",
     "tbe_backward_update",
     "tbe_forward",
     "tbe_row_gradient_shares",
@@ -423,5 +427,119 @@ def _copy_row_runs_cpu(src: torch.Tensor, dst: torch.Tensor, runs: torch.Tensor,
 @copy_row_runs.register_fake
 def _copy_row_runs_fake(
     src: torch.Tensor, dst: torch.Tensor, runs: torch.Tensor, rows: int
+) -> None:
+    return None
+
+
+# -- rows between FP32 buffers and row stores (the mixed-precision cache) ------------------
+
+
+@torch.library.custom_op("tetrarec::load_rows", mutates_args=("dst",))
+def load_rows(
+    src: torch.Tensor,
+    src_index: torch.Tensor,
+    dst: torch.Tensor,
+    dst_index: torch.Tensor,
+    precision: str,
+) -> None:
+    """``dst[dst_index[j]] = decode(src[src_index[j]])``: stored rows into FP32 rows.
+
+    The compiled kernel decodes each row with the fused kernels' codecs, bitwise equal
+    to ``reference.load_rows``.
+
+    Args:
+        src: ``(E, row_width)`` contiguous rows in ``precision``.
+        src_index: ``(n,)`` int64 rows of ``src``.
+        dst: ``(S, D)`` contiguous FP32 rows, written in place.
+        dst_index: ``(n,)`` int64 distinct rows of ``dst``.
+        precision: the rows' precision (``"fp32"`` ... ``"int4"``).
+
+    Raises:
+        RuntimeError: (compiled kernel) for an index outside its buffer, another dtype or
+            row width; nothing is written then.
+    """
+    reference.load_rows(src, src_index, dst, dst_index, precision)
+
+
+@load_rows.register_kernel("cpu")
+def _load_rows_cpu(
+    src: torch.Tensor,
+    src_index: torch.Tensor,
+    dst: torch.Tensor,
+    dst_index: torch.Tensor,
+    precision: str,
+) -> None:
+    ext = compiled_cpu_kernels() if src.is_contiguous() and dst.is_contiguous() else None
+    if ext is None:
+        reference.load_rows(src, src_index, dst, dst_index, precision)
+    else:
+        ext.load_rows(src, src_index, dst, dst_index, precision)
+
+
+@load_rows.register_fake
+def _load_rows_fake(
+    src: torch.Tensor,
+    src_index: torch.Tensor,
+    dst: torch.Tensor,
+    dst_index: torch.Tensor,
+    precision: str,
+) -> None:
+    return None
+
+
+@torch.library.custom_op("tetrarec::store_rows", mutates_args=("dst",))
+def store_rows(
+    src: torch.Tensor,
+    src_index: torch.Tensor,
+    dst: torch.Tensor,
+    dst_index: torch.Tensor,
+    precision: str,
+    flags: list[int],
+) -> None:
+    """``dst[dst_index[j]] = encode(src[src_index[j]])``: FP32 rows into stored rows.
+
+    Stochastic rounding draws exactly what ``tbe_backward_update`` would draw for row
+    ``row_key + dst_index[j]`` at ``(seed, iteration)``; the compiled kernel encodes each
+    row with the fused kernels' codecs, bitwise equal to ``reference.store_rows``.
+
+    Args:
+        src: ``(S, D)`` contiguous FP32 rows.
+        src_index: ``(n,)`` int64 rows of ``src``.
+        dst: ``(E, row_width)`` contiguous rows in ``precision``, written in place.
+        dst_index: ``(n,)`` int64 distinct rows of ``dst``.
+        precision: the stored rows' precision.
+        flags: ``[stochastic, seed, iteration, row_key, col_start]``.
+
+    Raises:
+        RuntimeError: (compiled kernel) for an index outside its buffer, another dtype or
+            row width; nothing is written then.
+    """
+    reference.store_rows(src, src_index, dst, dst_index, precision, flags)
+
+
+@store_rows.register_kernel("cpu")
+def _store_rows_cpu(
+    src: torch.Tensor,
+    src_index: torch.Tensor,
+    dst: torch.Tensor,
+    dst_index: torch.Tensor,
+    precision: str,
+    flags: list[int],
+) -> None:
+    ext = compiled_cpu_kernels() if src.is_contiguous() and dst.is_contiguous() else None
+    if ext is None:
+        reference.store_rows(src, src_index, dst, dst_index, precision, flags)
+    else:
+        ext.store_rows(src, src_index, dst, dst_index, precision, flags)
+
+
+@store_rows.register_fake
+def _store_rows_fake(
+    src: torch.Tensor,
+    src_index: torch.Tensor,
+    dst: torch.Tensor,
+    dst_index: torch.Tensor,
+    precision: str,
+    flags: list[int],
 ) -> None:
     return None

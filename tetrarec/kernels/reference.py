@@ -29,9 +29,11 @@ __all__ = [
     "backward_update",
     "dot_interaction_backward",
     "dot_interaction_forward",
+    "load_rows",
     "pooled_forward",
     "rounding_noise",
     "row_gradient_shares",
+    "store_rows",
     "summed_row_gradients",
     "table_view",
 ]
@@ -390,3 +392,56 @@ def dot_interaction_backward(
     sym = padded.index_select(1, sym_gather).view(b, n, n)
     grad_c = torch.bmm(sym, combined)  # (B, n, D)
     return grad_out[:, :d] + grad_c[:, 0], grad_c[:, 1:].reshape(b, (n - 1) * d)
+
+
+# -- rows between FP32 buffers and row stores (the mixed-precision cache) ------------------
+
+
+def load_rows(
+    src: torch.Tensor,
+    src_index: torch.Tensor,
+    dst: torch.Tensor,
+    dst_index: torch.Tensor,
+    precision: str,
+) -> None:
+    """``dst[dst_index[j]] = decode(src[src_index[j]])``: stored rows into FP32 rows.
+
+    Args:
+        src: ``(E, row_width)`` rows in ``precision``.
+        src_index: ``(n,)`` int64 rows of ``src``.
+        dst: ``(S, D)`` FP32 rows, written in place.
+        dst_index: ``(n,)`` int64 distinct rows of ``dst``.
+        precision: the rows' precision (``"fp32"`` ... ``"int4"``).
+    """
+    dim = dst.shape[1]
+    dst[dst_index] = decode_rows(src[src_index], Precision(precision), dim)
+
+
+def store_rows(
+    src: torch.Tensor,
+    src_index: torch.Tensor,
+    dst: torch.Tensor,
+    dst_index: torch.Tensor,
+    precision: str,
+    flags: list[int],
+) -> None:
+    """``dst[dst_index[j]] = encode(src[src_index[j]])``: FP32 rows into stored rows.
+
+    Stochastic rounding draws what ``backward_update`` would draw for row
+    ``row_key + dst_index[j]`` at ``(seed, iteration)`` (``rounding_noise``).
+
+    Args:
+        src: ``(S, D)`` FP32 rows.
+        src_index: ``(n,)`` int64 rows of ``src``.
+        dst: ``(E, row_width)`` rows in ``precision``, written in place.
+        dst_index: ``(n,)`` int64 distinct rows of ``dst``.
+        precision: the stored rows' precision.
+        flags: ``[stochastic, seed, iteration, row_key, col_start]``.
+    """
+    stochastic, seed, iteration, row_key, col_start = flags
+    p = Precision(precision)
+    w = src[src_index]  # (n, D)
+    noise = None
+    if stochastic and p is not Precision.FP32:
+        noise = rounding_noise(seed, iteration, dst_index + row_key, col_start, w.shape[1])
+    dst[dst_index] = encode_rows(w, p, stochastic=bool(stochastic), noise=noise)

@@ -705,6 +705,8 @@ std::map<std::string, std::string> build_info() {
 
 }  // namespace
 
+#include "row_copy_cpu.h"
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("build_info", &build_info, "instruction sets and vector paths this build uses");
   m.def("tbe_forward", &tbe_forward, "pooled table-batched lookup (CPU)");
@@ -719,4 +721,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "FP32 rounded to the nearest BF16 value, in FP32 (CPU)");
   m.def("copy_row_runs", &tetrarec::copy_row_runs,
         "row-wise copies of column runs between flat row-major buffers (CPU)");
+  m.def("load_rows", &load_rows, "rows of a store decoded into FP32 rows, by index (CPU)");
+  m.def("store_rows", &store_rows,
+        "FP32 rows encoded into rows of a store, by index, stochastic rounding keyed by row (CPU)");
 }
