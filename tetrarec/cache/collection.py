@@ -410,18 +410,21 @@ class CachedEmbeddingBagCollection(nn.Module):
         uniq, counts = torch.unique(ids, return_counts=True)  # rows ascending
         slots = c.row_slot[uniq].long()
         hit = slots >= 0
-        c.counters[1] += int(counts[hit].sum())
-        c.counters[2] += int(counts[~hit].sum())
+        hits = int(torch.where(hit, counts, 0).sum())
+        c.counters[1] += hits
+        c.counters[2] += ids.numel() - hits  # the counts add up to the ids
         if c.policy is CachePolicy.LFU:
             c.freq.index_add_(0, uniq, counts)
-        busy = torch.zeros(c.capacity, dtype=torch.bool)
-        busy[slots[hit]] = True
+        # slot -1 (a miss) marks the extra last entry, dropped: no mask of the hits needed
+        busy = torch.zeros(c.capacity + 1, dtype=torch.bool)
+        busy[slots] = True
+        miss = torch.nonzero(~hit).flatten()
         plan = plan_admission(
             c.policy,
-            miss_rows=uniq[~hit],
-            miss_counts=counts[~hit],
+            miss_rows=uniq[miss],
+            miss_counts=counts[miss],
             slot_rows=c.slot_rows,
-            busy=busy,
+            busy=busy[:-1],
             last_used=c.last_used,
             freq=c.freq,
         )
@@ -429,7 +432,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             self._evict(i, plan.victims)
         if plan.rows.numel():
             self._fill(i, plan.rows, plan.slots)
-        slots = c.row_slot[uniq].long()
+            slots = c.row_slot[uniq].long()
         if c.policy is CachePolicy.LRU:
             c.last_used[slots[slots >= 0]] = c.counters[0]
         c.counters[0] += 1

@@ -95,23 +95,53 @@ def plan_admission(
         return _empty()
     hotness = miss_counts if policy is CachePolicy.LRU else freq[miss_rows]
     misses = miss_rows[torch.sort(-hotness, stable=True).indices]  # rows asc break ties
-    free = torch.nonzero(slot_rows < 0).flatten()
+    occupied = slot_rows >= 0
+    free = torch.nonzero(~occupied).flatten()
     n_free = min(free.numel(), misses.numel())
-    idle = torch.nonzero((slot_rows >= 0) & ~busy).flatten()
-    idle = idle[torch.argsort(slot_rows[idle], stable=True)]  # row asc breaks ties
-    key = last_used[idle] if policy is CachePolicy.LRU else freq[slot_rows[idle]]
-    idle = idle[torch.sort(key, stable=True).indices]
     rest = misses[n_free:]
+    idle = torch.nonzero(occupied & ~busy).flatten() if rest.numel() else free[:0]
     k = min(rest.numel(), idle.numel())
-    if policy is CachePolicy.LFU and k:
-        # misses by count desc, victims by count asc: the condition holds on a prefix
-        k = int((freq[rest[:k]] > freq[slot_rows[idle[:k]]]).sum())
-    victims = idle[:k]
+    victims = idle[:0]
+    if k:
+        rows = slot_rows[idle]
+        key = last_used[idle] if policy is CachePolicy.LRU else freq[rows]
+        victims = idle[_first_by_key_then_row(key, rows, k)]
+        if policy is CachePolicy.LFU:
+            # misses by count desc, victims by count asc: the condition holds on a prefix
+            victims = victims[: int((freq[rest[:k]] > freq[slot_rows[victims]]).sum())]
+    k = victims.numel()
     return Admission(
         rows=torch.cat([misses[:n_free], rest[:k]]),
         slots=torch.cat([free[:n_free], victims]),
         victims=victims,
     )
+
+
+def _first_by_key_then_row(key: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the ``k`` smallest ``(key, row)`` pairs, in that order.
+
+    ``rows`` are distinct and non-negative, so ``key * span + row`` (``span`` = largest
+    row + 1) orders the pairs exactly as a stable sort by row and then by key does, in
+    one pass: a partial ``topk`` when few are needed, a sort otherwise. Keys too large for
+    that product in int64 (or negative) take the two stable sorts.
+
+    Args:
+        key: ``(n,)`` int64, the first sort key (last use or lookup count).
+        rows: ``(n,)`` int64 distinct rows, the tie-break.
+        k: how many, ``1 <= k <= n``.
+
+    Returns:
+        ``(k,)`` int64 positions into ``key`` and ``rows``.
+    """
+    span = int(rows.max()) + 1
+    lo, hi = (int(x) for x in torch.aminmax(key))
+    if lo < 0 or hi > (2**63 - 1 - span) // span:
+        by_row = torch.argsort(rows, stable=True)
+        return by_row[torch.sort(key[by_row], stable=True).indices[:k]]
+    fused = key * span + rows  # distinct: any sort gives the same order
+    if 4 * k < fused.numel():
+        return torch.topk(fused, k, largest=False, sorted=True).indices
+    return torch.sort(fused).indices[:k]
 
 
 def count_ids(
