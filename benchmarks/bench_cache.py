@@ -41,7 +41,7 @@ the real Criteo Kaggle sample when ``../shared/data`` has it; ``--all``: every p
 
     tetrarec bench cache [--seeds 3] [--train-samples N] [--eval-samples N] [--json PATH]
     tetrarec bench cache --big [--big-rows 32000000] [--budget-mib 1024]
-    tetrarec bench cache --speed [--rounds 5] [--speed-steps 4]
+    tetrarec bench cache --speed [--rounds 5] [--speed-steps 4] [--speed-warmup 8]
     python benchmarks/bench_cache.py --smoke     # every part at tiny sizes, about a minute
 """
 
@@ -162,6 +162,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--speed-rows", type=int, default=1_000_000, help="rows per table of W")
     g.add_argument("--rounds", type=int, default=5)
     g.add_argument("--speed-steps", type=int, default=4, help="timed steps per round")
+    g.add_argument(
+        "--speed-warmup", type=int, default=8, help="untimed steps of each first (cache, pages)"
+    )
     p.add_argument("--big-child", choices=("ssd", "ram"), help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -169,7 +172,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.seeds, args.train_samples, args.eval_samples = 1, 8192, 4096
         args.tables, args.rows, args.dim, args.batch = 4, 500, 16, 512
         args.big_rows, args.budget_mib, args.big_steps = 1_000_000, 512, 4
-        args.speed_rows, args.rounds, args.speed_steps = 20_000, 2, 2
+        args.speed_rows, args.rounds, args.speed_steps, args.speed_warmup = 20_000, 2, 2, 1
         args.criteo = "no" if args.criteo == "auto" else args.criteo
         args.all = args.all or not (args.big or args.speed)  # every part, so none rots
     return args
@@ -621,7 +624,9 @@ def speed(args: argparse.Namespace) -> list[dict[str, Any]]:
         impls[name](b).values.backward(grad)
 
     names = list(impls)
-    for _ in range(3):  # warm-up: the cache fills up
+    # warm-up: the cache fills up, and the first random touches of each 1.7-6.7 GB store
+    # (page and TLB misses) pass; 3 steps left the FP32 rounds 2x slower at first
+    for _ in range(args.speed_warmup):
         for n in names:
             step(n, _w_batch(args.speed_rows, rng))
     per_round: dict[str, list[float]] = {n: [] for n in names}

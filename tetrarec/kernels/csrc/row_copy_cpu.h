@@ -49,7 +49,7 @@ RowCopyArgs row_copy_args(const at::Tensor& src, const at::Tensor& src_index,
 }
 
 constexpr int64_t kRowCopyGrain = 256;
-constexpr int64_t kRowCopyAhead = 4;  // rows prefetched ahead (both buffers are random)
+constexpr int64_t kRowCopyAhead = 8;  // rows prefetched ahead: both buffers are read at random
 
 template <class Codec>
 constexpr bool kIsIntRow = std::is_same_v<Codec, IntRow<8>> || std::is_same_v<Codec, IntRow<4>>;
@@ -267,8 +267,7 @@ void store_rows(const at::Tensor& src, const at::Tensor& src_index, at::Tensor& 
         }
         const uint64_t key = row_key + static_cast<uint64_t>(a.dst_index[j]);
         codec_store<Codec>(d + a.dst_index[j] * width * Codec::kElem, D, s + a.src_index[j] * D,
-                           sr,
-                     mix64(step ^ (key * 0xA24BAED4963EE407ULL)), col0);
+                           sr, mix64(step ^ (key * 0xA24BAED4963EE407ULL)), col0);
       }
     });
   });
