@@ -83,7 +83,7 @@ from tetrarec.kernels.reference import rounding_noise
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures, permute_keys
 from tetrarec.types import Placement, PoolingMode, Precision
 
-__all__ = ["CachedEmbeddingBagCollection"]
+__all__ = ["CacheRoute", "CachedEmbeddingBagCollection"]
 
 _CACHE, _RAM, _SSD = 0, 1, 2
 _PLACEMENTS = (Placement.HOST, Placement.CACHED, Placement.SSD)
@@ -118,16 +118,32 @@ class _Part:
     columns: torch.Tensor  # (sum D_p,) its output columns in the full output
 
 
-@dataclasses.dataclass
-class _Route:
-    """One batch, split over the parts (built by ``_route``)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheRoute:
+    """One batch split over the parts of a ``CachedEmbeddingBagCollection`` (``route``).
+
+    Built once per batch and handed to ``pooled_lookup`` (forward) and
+    ``apply_gradients`` (backward). Its tensors index the batch it was built from: ``N``
+    ids over ``B`` samples, key-major in the collection's feature order.
+
+    Args:
+        batch: ``B``, the samples of the batch.
+        values: per part, the ids it takes, local to it (slots or rows).
+        lengths: per part, ``(F_p * B,)`` its share of each bag.
+        masks: per part, ``(N,)`` bool: which ids of the batch it takes.
+        divisor: ``(B, sum D)`` bag lengths on mean-pooled columns (1 elsewhere), or
+            ``None`` without mean pooling.
+        touched: per cached table that admitted this batch (``admit=True``):
+            ``(table index, its unique rows, their slots)``; ``apply_gradients`` checks
+            that they have not moved and marks the slots dirty.
+    """
 
     batch: int
-    values: list[torch.Tensor]  # per part: its local ids (slots or rows)
-    lengths: list[torch.Tensor]  # per part: (F_p * B,)
-    masks: list[torch.Tensor]  # per part: (N,) bool, which ids of the batch it takes
-    divisor: torch.Tensor | None  # (B, sum D): bag lengths on mean columns, else 1
-    touched: list[tuple[int, torch.Tensor, torch.Tensor]]  # (table, rows, their slots)
+    values: list[torch.Tensor]
+    lengths: list[torch.Tensor]
+    masks: list[torch.Tensor]
+    divisor: torch.Tensor | None
+    touched: list[tuple[int, torch.Tensor, torch.Tensor]]
 
 
 class _CachedLookup(torch.autograd.Function):
@@ -137,7 +153,7 @@ class _CachedLookup(torch.autograd.Function):
     def forward(
         ctx: Any,
         module: CachedEmbeddingBagCollection,
-        route: _Route,
+        route: CacheRoute,
         psw: torch.Tensor | None,
         anchor: torch.Tensor,
     ) -> torch.Tensor:
@@ -485,13 +501,49 @@ class CachedEmbeddingBagCollection(nn.Module):
         """
         if features.keys != self.feature_names:
             features = permute_keys(features, self.feature_names)
-        if features.weights is not None and any(self._means):
-            raise ValueError("per-id weights are supported with sum pooling only")
-        route = self._route(features, admit=self.training and torch.is_grad_enabled())
+        route = self.route(features, admit=self.training and torch.is_grad_enabled())
         out = _CachedLookup.apply(  # type: ignore[no-untyped-call]  # torch leaves apply unannotated
             self, route, features.weights, self._anchor
         )
         return PooledEmbeddings(self.feature_names, self.feature_dims, out)
+
+    def route(self, features: SparseFeatures, *, admit: bool) -> CacheRoute:
+        """Split a batch over the parts: each id to its slot (hit) or its backing row.
+
+        The first stage of every lookup, for ``forward`` and for callers that pool and
+        update in separate steps (data-parallel replicas run the policy step on the
+        global batch, then route their own samples through the same slot map)::
+
+            route = ebc.route(every, admit=True)   # policy step on the whole batch
+            mine = ebc.route(own, admit=False)     # read-only: the same slots
+            pooled = ebc.pooled_lookup(mine, own.weights)
+            ...
+            ebc.apply_gradients(grad_every, route, every.weights)
+
+        Args:
+            features: the batch, keys in ``feature_names`` order.
+            admit: run the policy step first (a training batch): count hits and misses,
+                evict and write back, admit misses. ``False`` only reads the slot maps.
+
+        Returns:
+            The ``CacheRoute`` for ``pooled_lookup`` and ``apply_gradients``.
+
+        Syncs:
+            Once per cached table with ``admit`` (the policy decides on the host), and
+            for the value counts of ``features`` if it does not carry them.
+
+        Raises:
+            ValueError: for keys in another order than ``feature_names``, per-id weights
+                with mean pooling, or an out-of-range id (when ``check_bounds``).
+        """
+        if features.keys != self.feature_names:
+            raise ValueError(
+                f"route: features {features.keys} must be keyed {self.feature_names} "
+                "(permute_keys first)"
+            )
+        if features.weights is not None and any(self._means):
+            raise ValueError("per-id weights are supported with sum pooling only")
+        return self._route(features, admit=admit)
 
     def _check_ids(
         self, t: TableConfig, ids: torch.Tensor, features: range, starts: list[int]
@@ -512,7 +564,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             f"of {t.num_embeddings} rows (valid ids are 0..{t.num_embeddings - 1})"
         )
 
-    def _route(self, features: SparseFeatures, *, admit: bool) -> _Route:
+    def _route(self, features: SparseFeatures, *, admit: bool) -> CacheRoute:
         batch, lengths = features.batch_size, features.lengths.long()
         local = features.values.long().clone()  # (N,) becomes slot or row per id
         dest = torch.full_like(local, _RAM, dtype=torch.int8)
@@ -548,7 +600,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             values.append(local[mask])
             part_lengths.append(counts[part.features].reshape(-1))
             masks.append(mask)
-        return _Route(
+        return CacheRoute(
             batch=batch,
             values=values,
             lengths=part_lengths,
@@ -567,8 +619,16 @@ class CachedEmbeddingBagCollection(nn.Module):
         dims = torch.tensor(self.feature_dims)
         return torch.repeat_interleave(per_bag, dims, dim=1)
 
-    def pooled_lookup(self, route: _Route, psw: torch.Tensor | None) -> torch.Tensor:
-        """``(B, sum D)`` pooled rows of a routed batch (the forward without autograd)."""
+    def pooled_lookup(self, route: CacheRoute, psw: torch.Tensor | None) -> torch.Tensor:
+        """The pooled rows of a routed batch: the forward, without autograd.
+
+        Args:
+            route: the batch's ``CacheRoute`` (``route``).
+            psw: ``(N,)`` per-id weights of that batch, or ``None``.
+
+        Returns:
+            ``(B, sum D)`` pooled rows, columns in ``feature_names`` order.
+        """
         out = torch.zeros(route.batch, sum(self.feature_dims))  # (B, sum D)
         # Backing parts first, then the cache: an all-cached (or all-uncached) bag is
         # 0 + its one part's sum, exactly what the uncached collection computes.
@@ -584,12 +644,19 @@ class CachedEmbeddingBagCollection(nn.Module):
     def apply_gradients(
         self,
         grad_out: torch.Tensor,
-        route: _Route,
+        route: CacheRoute,
         psw: torch.Tensor | None,
         *,
         want_psw: bool = False,
     ) -> torch.Tensor | None:
         """Every part's fused update for the gradient ``grad_out`` of a routed batch.
+
+        Args:
+            grad_out: ``(B, sum D)`` gradient of the batch's pooled rows.
+            route: the route the batch took; built with ``admit=True`` for a training
+                batch, so that its admitted slots are checked and marked dirty.
+            psw: ``(N,)`` per-id weights of that batch, or ``None``.
+            want_psw: also return the gradient of ``psw``.
 
         Returns:
             ``(N,)`` gradient of ``psw`` when ``want_psw``, else ``None``.

@@ -196,8 +196,8 @@ class ShardedGroup(nn.Module):
     def fused_local(self) -> FusedEmbeddingBagCollection | None:
         """The local kernels, where a stage needs the fused collection's own methods.
 
-        The global-batch update of replicated tables and the row-wise state across
-        column blocks; ``_check_placements`` keeps cached shards out of those stages.
+        The row-wise state shared across column blocks (``block_group``);
+        ``_check_placements`` keeps cached shards out of that stage.
         """
         assert not isinstance(self.local, CachedEmbeddingBagCollection)
         return self.local

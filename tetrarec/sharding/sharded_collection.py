@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from tetrarec.cache import CachedEmbeddingBagCollection
+from tetrarec.cache import CachedEmbeddingBagCollection, CacheStats
 from tetrarec.comm import Handle
 from tetrarec.embedding import TableConfig, feature_order
 from tetrarec.kernels import FusedEmbeddingBagCollection, FusedOptimizer
@@ -47,9 +47,9 @@ def _check_placements(
 
     Rows live in the rank's own memory (host memory on a CPU rank, device memory on an
     accelerator) at the table's configured precision; on a CPU rank a shard may also be
-    ``cached`` or ``ssd`` (``tetrarec.cache``: each rank caches its own shards), except
-    for data-parallel tables (every replica applies the global batch's update) and
-    column blocks of a row-wise optimizer (their row state is shared across blocks).
+    ``cached`` or ``ssd`` (``tetrarec.cache``: each rank caches its own shards; the
+    replicas of a data-parallel table all run the global batch's policy step), except
+    for column blocks of a row-wise optimizer (their row state is shared across blocks).
 
     Raises:
         ValueError: naming the tables and their placements.
@@ -70,9 +70,9 @@ def _check_placements(
     here = Placement.HOST if on_cpu else Placement.DEVICE
     allowed = {here, Placement.CACHED, Placement.SSD} if on_cpu else {here}
     rowwise = options.optimizer.kind in (OptimizerKind.ROWWISE_ADAGRAD, OptimizerKind.ROWWISE_ADAM)
-    no_cache = {ShardingType.DATA_PARALLEL}
+    no_cache: set[ShardingType] = set()
     if rowwise:
-        no_cache |= {ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE}
+        no_cache = {ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE}
     bad = []
     for tp in plan:
         where = tp.placement
@@ -85,8 +85,8 @@ def _check_placements(
             f"the sharding plan places tables {', '.join(bad)} where their shards cannot "
             f"live: a sharded table's rows stay in this rank's {here.value} memory"
             + (
-                ", or cached / on SSD (tetrarec.cache) unless the table is data-parallel "
-                "or split into column blocks with a row-wise optimizer"
+                ", or cached / on SSD (tetrarec.cache) unless the table is split into "
+                "column blocks with a row-wise optimizer"
                 if on_cpu
                 else " (the row cache runs on CPU ranks)"
             )
@@ -200,6 +200,19 @@ class ShardedEmbeddingBagCollection(nn.Module):
         out: dict[str, torch.Tensor] = {}
         for local in self._locals():
             out.update(local.table_weights())
+        return out
+
+    def cache_stats(self) -> dict[str, CacheStats]:
+        """``{local table name: CacheStats}`` of this rank's cached shards.
+
+        A whole table (table-wise, or a data-parallel replica, whose policy step runs on
+        the global batch) counts what the one-process cache counts; a row block counts
+        its own rows' lookups.
+        """
+        out: dict[str, CacheStats] = {}
+        for local in self._locals():
+            if isinstance(local, CachedEmbeddingBagCollection):
+                out.update(local.cache_stats())
         return out
 
     # -- FusedState -----------------------------------------------------------------------
