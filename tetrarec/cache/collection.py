@@ -706,6 +706,16 @@ class CachedEmbeddingBagCollection(nn.Module):
             )
         return out
 
+    def cached_rows(self) -> dict[str, torch.Tensor]:
+        """``{table: rows its cache holds, ascending}`` for every cached table.
+
+        Under the ``static`` policy, the pinned rows.
+        """
+        return {
+            self.tables[i].name: torch.sort(c.slot_rows[c.slot_rows >= 0]).values
+            for i, c in self._caches.items()
+        }
+
     def memory(self) -> CacheMemory:
         """Bytes by tier (rows in their stored precision, FP32 state, metadata)."""
         sizes = {_CACHE: [0, 0], _RAM: [0, 0], _SSD: [0, 0]}

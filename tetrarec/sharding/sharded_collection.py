@@ -215,6 +215,17 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 out.update(local.cache_stats())
         return out
 
+    def cached_rows(self) -> dict[str, torch.Tensor]:
+        """``{local table name: rows in its cache, ascending}`` of this rank's cached shards.
+
+        Row ids are local to the shard (``shard_layout`` gives its first global row).
+        """
+        out: dict[str, torch.Tensor] = {}
+        for local in self._locals():
+            if isinstance(local, CachedEmbeddingBagCollection):
+                out.update(local.cached_rows())
+        return out
+
     # -- FusedState -----------------------------------------------------------------------
 
     def storages(self) -> list[torch.Tensor]:
