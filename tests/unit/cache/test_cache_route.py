@@ -133,3 +133,24 @@ def test_data_parallel_evaluation_reads_the_cache_without_changing_it():
     module(SparseFeatures.from_lists(bags(2)))
     assert module.cache_stats() == before
     assert before["a"].misses > 0
+
+
+def test_each_shard_takes_its_rows_counts_for_the_static_policy():
+    """``LookupOptions.static_counts`` holds global tables' counts; a row block pins by
+    its own rows' counts (local row ``i`` is global row ``start + i``). Bug caught: a
+    block given its table's first rows' counts (it would pin rows by other rows'
+    heat), or a whole table's counts cut."""
+    from tetrarec.sharding.group import LocalShard, _shard_counts
+
+    t = TABLES[1]
+    counts = {"b": torch.arange(16), "a": torch.arange(24) * 2}
+    blocks = [
+        LocalShard(name="b@r0", table=t, rows=(0, 8), cols=(0, 3), feature_names=("b",)),
+        LocalShard(name="b@r8", table=t, rows=(8, 16), cols=(0, 3), feature_names=("b",)),
+        LocalShard(name="a", table=TABLES[0], rows=(0, 24), cols=(0, 4), feature_names=("f0",)),
+    ]
+    got = _shard_counts(blocks, counts)
+    assert torch.equal(got["b@r8"], torch.arange(8, 16))
+    assert torch.equal(got["b@r0"], torch.arange(8))
+    assert torch.equal(got["a"], counts["a"])
+    assert _shard_counts(blocks, None) is None
