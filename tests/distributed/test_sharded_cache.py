@@ -29,6 +29,7 @@ pytestmark = pytest.mark.distributed
 SGD = SparseOptimizerSpec(kind="sgd", lr=0.1)
 ADAGRAD = SparseOptimizerSpec(kind="adagrad", lr=0.1)
 ROWWISE = SparseOptimizerSpec(kind="rowwise_adagrad", lr=0.1)
+ROW_ADAM = SparseOptimizerSpec(kind="rowwise_adam", lr=0.05, weight_decay=0.01)
 
 
 def tables(precision: str, b_pooling: str = "mean") -> tuple[TableConfig, ...]:
@@ -62,6 +63,23 @@ CASES = [
     case("table_wise/int8/sgd/weighted", ("table_wise",), "int8", SGD, weighted=True),
     case("table_wise/fp16/adagrad/ssd", ("table_wise",), "fp16", ADAGRAD, placement="ssd"),
     case("column_wise/fp16/adagrad", ("column_wise",), "fp16", ADAGRAD),
+    # row-wise state shared across cached column blocks: shares summed in rank order
+    case(
+        "column_wise/fp16/rowwise_adagrad/weighted",
+        ("column_wise",),
+        "fp16",
+        ROWWISE,
+        exact=False,
+        weighted=True,
+    ),
+    case(
+        "table_column_wise/fp32/rowwise_adam/ssd",
+        ("table_column_wise",),
+        "fp32",
+        ROW_ADAM,
+        placement="ssd",
+        exact=False,
+    ),
     case("row_wise/int8/all-cached", ("row_wise",), "int8", ROWWISE, fraction=1.0, exact=False),
     case("mixed/fp16/sgd", ("row_wise", "table_wise"), "fp16", SGD, fraction=1.0, exact=False),
 ]

@@ -688,6 +688,90 @@ class CachedEmbeddingBagCollection(nn.Module):
             self._caches[i].dirty[slots[slots >= 0].long()] = True
         return psw_grad
 
+    def row_gradient_shares(
+        self,
+        table: int,
+        grad_out: torch.Tensor,
+        route: CacheRoute,
+        psw: torch.Tensor | None,
+        weight_decay: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per touched row of table ``table``: ``sum_d g'_d^2`` the next update would use.
+
+        ``FusedEmbeddingBagCollection.row_gradient_shares`` for a routed batch: each part
+        reports the rows it holds (a cached row from its FP32 slot, ``w`` in
+        ``g' = g + weight_decay * w`` being the slot's row), bitwise the sum its own
+        row-wise update of the row adds. Column blocks of a row-wise optimizer share
+        these (``sharding/block_group.py``).
+
+        Args:
+            table: the table's index in ``tables``.
+            grad_out: ``(B, sum D)`` gradient of the batch's pooled rows.
+            route: the batch's route (the slot map the update will use).
+            psw: ``(N,)`` per-id weights, if any.
+            weight_decay: the optimizer's weight decay (``0.0``: none).
+
+        Returns:
+            ``(rows (U,) int64 ascending and unique; share (U,) FP32)``.
+        """
+        g = grad_out.contiguous()
+        if route.divisor is not None:
+            g = g / route.divisor  # as apply_gradients divides it
+        rows, shares = [], []
+        for p, part in enumerate(self._parts):
+            if part.kind == _CACHE:
+                if table not in self._slot_home:
+                    continue
+                k = self._slot_home[table]
+            else:
+                home, k = self._home[table]
+                if home != p:
+                    continue
+            w = psw[route.masks[p]] if psw is not None else None
+            got, share = part.module.row_gradient_shares(
+                k, g.index_select(1, part.columns), route.values[p], route.lengths[p], w,
+                weight_decay,
+            )  # fmt: skip
+            if part.kind == _CACHE:
+                got = self._caches[table].slot_rows[got]  # slots -> their rows
+            rows.append(got)
+            shares.append(share)
+        every = torch.cat(rows)
+        order = torch.argsort(every)  # a row is in one part: unique
+        return every[order], torch.cat(shares)[order]
+
+    @torch.no_grad()
+    def add_to_row_state_(
+        self, table: int, name: str, rows: torch.Tensor, delta: torch.Tensor
+    ) -> None:
+        """Add ``delta[j]`` to the per-row optimizer state ``name`` of row ``rows[j]``.
+
+        Where the row's state lives now: its slot while it is cached, else the backing
+        store (the state a write-back or flush copies back).
+
+        Args:
+            table: the table's index in ``tables``.
+            name: a per-row state (``sum`` of row-wise Adagrad, ``exp_avg_sq`` of
+                row-wise Adam).
+            rows: ``(n,)`` distinct rows of the table.
+            delta: ``(n,)`` FP32 amounts.
+
+        Raises:
+            ValueError: for a state that is not per row.
+        """
+        backing, k = self._backing(table)
+        state = backing._table_state(k)
+        if name not in state or state[name].shape[1] != 1:
+            per_row = sorted(n for n, v in state.items() if v.shape[1] == 1)
+            raise ValueError(f"{name!r} is not a per-row optimizer state; per-row: {per_row}")
+        c = self._caches.get(table)
+        slots = c.row_slot[rows].long() if c is not None else torch.full_like(rows, -1)
+        hit = slots >= 0
+        if bool(hit.any()):
+            cached = self._slots()._table_state(self._slot_home[table])[name]
+            cached[:, 0].index_add_(0, slots[hit], delta[hit])
+        state[name][:, 0].index_add_(0, rows[~hit], delta[~hit])
+
     # -- what the trainer reads -------------------------------------------------------------
 
     def cache_stats(self) -> dict[str, CacheStats]:

@@ -211,15 +211,6 @@ class ShardedGroup(nn.Module):
             )
         self.check_bounds = options.check_bounds
 
-    def fused_local(self) -> FusedEmbeddingBagCollection | None:
-        """The local kernels, where a stage needs the fused collection's own methods.
-
-        The row-wise state shared across column blocks (``block_group``);
-        ``_check_placements`` keeps cached shards out of that stage.
-        """
-        assert not isinstance(self.local, CachedEmbeddingBagCollection)
-        return self.local
-
     @property
     def local_dim(self) -> int:
         """Columns this rank's lookup produces."""
