@@ -5,8 +5,10 @@ fraction and policy). Table-wise shards and column blocks see every id of their 
 so their caches make the one-process cache's decisions and the runs are bitwise equal,
 evictions included. Data-parallel replicas run the policy step on the gathered global
 batch, so every replica's cache decides and counts as the one process's, bitwise too.
-Row blocks cache their own rows: with every row cached the results equal the reference
-up to the order in which the blocks' partial sums are added.
+Column blocks of a row-wise optimizer share their rows' squared-gradient sums (summed in
+rank order), so they equal the reference within a tolerance. Row blocks cache their own
+rows: with every row cached the results equal the reference up to the order in which
+the blocks' partial sums are added.
 
 One spawn of 2 ranks runs every case (``results``); the tests check their shares.
 """
@@ -117,7 +119,10 @@ def test_sharded_cached_tables_equal_the_one_process_cached_table(results):
     """Catches a shard cache built on local instead of global rows (other initial rows
     or rounding draws), per-shard capacities that differ from the plan's fraction, a
     cached shard whose optimizer does not follow the sharded collection's learning rate,
-    and evicted rows written back wrong."""
+    evicted rows written back wrong, and (column blocks of row-wise optimizers) a cached
+    row's gradient share read from its slot index instead of its row, or the other
+    blocks' share added to the backing state of a row that lives in its slot (or not
+    added to an uncached row's); column blocks' counters must equal one process's."""
     bad = _mismatches(CASES, results)
     assert not bad, "\n".join(bad)
 
