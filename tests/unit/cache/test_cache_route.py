@@ -154,3 +154,47 @@ def test_each_shard_takes_its_rows_counts_for_the_static_policy():
     assert torch.equal(got["b@r0"], torch.arange(8))
     assert torch.equal(got["a"], counts["a"])
     assert _shard_counts(blocks, None) is None
+
+
+FP32_TABLES = [
+    TableConfig(name="a", num_embeddings=24, dim=4, feature_names=("f0", "f1")),
+    TableConfig(name="b", num_embeddings=16, dim=3, pooling="mean"),
+]
+
+
+def test_row_gradient_shares_and_row_state_follow_the_row_into_its_slot():
+    """What cached column blocks of a row-wise optimizer exchange: each touched row's
+    squared-gradient sum, read from the part that holds the row, equals the uncached
+    collection's (FP32 rows, weight decay: the row's value counts), and a delta to the
+    row state lands where the row's state lives. Bugs caught: slot ids reported as rows,
+    the mean bags' gradient not divided by their length, a row's share missing or
+    counted twice, a delta written to the backing state of a cached row (lost at the
+    next write-back) or to a slot of an uncached one."""
+    from tetrarec.kernels import FusedEmbeddingBagCollection
+
+    spec = SparseOptimizerSpec(kind="rowwise_adagrad", lr=0.2, weight_decay=0.05)
+    cached = CachedEmbeddingBagCollection(FP32_TABLES, spec, CacheSpec(fraction=0.25), seed=5)
+    plain = FusedEmbeddingBagCollection(FP32_TABLES, spec, seed=5)
+    for step in range(2):  # fill the caches (and train some rows)
+        for module in (cached, plain):
+            out = module(SparseFeatures.from_lists(bags(step))).values
+            out.backward(torch.ones_like(out))
+    sf = SparseFeatures.from_lists(bags(2))
+    grad = torch.randn(6, 11, generator=torch.Generator().manual_seed(2))
+    route = cached.route(sf, admit=True)
+    for i in range(2):
+        rows, share = cached.row_gradient_shares(i, grad, route, None, 0.05)
+        want_rows, want = plain.row_gradient_shares(i, grad, sf.values, sf.lengths, None, 0.05)
+        assert torch.equal(rows, want_rows), i
+        assert torch.equal(share, want), i
+    c = cached._caches[0]
+    held = c.slot_rows[c.slot_rows >= 0]
+    rows = torch.cat([held[:2], torch.tensor([r for r in range(24) if r not in held][:2])])
+    before = cached.optimizer_state()["a"]["sum"].clone()
+    cached.add_to_row_state_(0, "sum", rows, torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    after = cached.optimizer_state()["a"]["sum"]  # copies the cached rows' state back
+    expect = before.clone()
+    expect[rows] += torch.tensor([1.0, 2.0, 3.0, 4.0])
+    assert torch.equal(after, expect)
+    with pytest.raises(ValueError, match="'momentum' is not a per-row optimizer state"):
+        cached.add_to_row_state_(0, "momentum", rows, torch.ones(4))
