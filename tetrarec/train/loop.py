@@ -455,9 +455,13 @@ class _Run:
             self._checkpoint()
 
     def _cache_total(self) -> CacheStats | None:
-        """All cached tables' counters summed, or ``None`` without a cached collection."""
+        """All cached tables' counters summed, or ``None`` without a cached table.
+
+        Sharded: this rank's cached shards (rank 0 logs them), ``None`` without any.
+        """
         stats = getattr(self.parts.model.get_submodule("embeddings"), "cache_stats", None)
-        return CacheStats.total(stats().values()) if callable(stats) else None
+        tables = stats() if callable(stats) else {}
+        return CacheStats.total(tables.values()) if tables else None
 
     def _cache_interval(self) -> CacheStats | None:
         """The cache counters since the last log (hit rate of this interval)."""
