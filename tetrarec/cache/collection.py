@@ -31,6 +31,12 @@ A training batch flows as::
        every part's ``tbe_backward_update``: cached rows train in FP32 in their slots,
        uncached rows in their stored precision; the cached rows become dirty
 
+``forward`` runs these as three public steps, for callers that split them (replicas of
+a data-parallel table route the global batch and pool their own samples,
+``sharding/data_parallel.py``): ``route`` (1-2, a ``CacheRoute``), ``pooled_lookup``
+(3) and ``apply_gradients`` (4). Column blocks of a row-wise optimizer also read
+``row_gradient_shares`` and write ``add_to_row_state_`` (``sharding/block_group.py``).
+
 Host syncs: the policy step decides on the host (``torch.unique``, counts, the bounds
 check), so a training forward syncs once per cached table; on CPU that costs nothing,
 on a device it is what part 2's device cache must batch.
