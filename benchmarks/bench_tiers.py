@@ -8,6 +8,8 @@ cgroup, which counts the page cache), for each store:
 
     mmap     torch.from_file(shared=True) of a flat file, rows[ids] and rows[ids] = new
              (what the ``ssd`` placement ships)
+    mmap-random  the same map after madvise(MADV_RANDOM): a page fault reads its page
+             only, not the kernel's read-around window (128 KiB by default) around it
     pread    os.preadv / os.pwritev of each row of the same flat file (no user-space cache)
     sqlite   sqlite3 (standard library): one BLOB per row keyed by its id (INTEGER PRIMARY
              KEY), WAL journal; reads ``id IN (...)`` in chunks, writes one executemany in
@@ -68,7 +70,8 @@ from bench_cache import zipf_ids
 
 ROW_BYTES = 72  # INT8 row of D = 64 (64 codes + FP16 scale, bias) + row-wise Adagrad state
 BUILD_CHUNK = 1 << 20  # rows generated at a time while building
-STORES = ("mmap", "pread", "sqlite", "lmdb")
+STORES = ("mmap", "mmap-random", "pread", "sqlite", "lmdb")
+MADV_RANDOM = 1  # <sys/mman.h>: no read-around on a fault
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -179,6 +182,23 @@ class MmapStore(FlatFile):
 
     def close(self) -> None:
         del self.rows
+
+
+class RandomMmapStore(MmapStore):
+    """``MmapStore`` plus ``madvise(MADV_RANDOM)`` on the map: a fault reads its own page,
+    not the kernel's read-around window (128 KiB by default) of neighbours never used."""
+
+    def open(self) -> None:
+        import ctypes
+
+        super().open()
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        page = os.sysconf("SC_PAGE_SIZE")
+        start = self.rows.data_ptr() & ~(page - 1)
+        length = self.rows.data_ptr() + self.rows.numel() - start
+        if libc.madvise(start, length, MADV_RANDOM) != 0:
+            raise OSError(ctypes.get_errno(), f"madvise(MADV_RANDOM) on {self.path}")
 
 
 class PreadStore(FlatFile):
@@ -321,6 +341,8 @@ def make_stores(directory: Path, names: list[str]) -> tuple[list[Store], dict[st
     for name in names:
         if name == "mmap":
             stores.append(MmapStore(directory, "mmap"))
+        elif name == "mmap-random":
+            stores.append(RandomMmapStore(directory, "mmap-random"))
         elif name == "pread":
             stores.append(PreadStore(directory, "pread"))
         elif name == "sqlite":
