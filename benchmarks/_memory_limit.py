@@ -363,13 +363,13 @@ def disk_io() -> dict[str, int]:
 
 
 def block_device_facts(path: Path) -> dict[str, object]:
-    """The disk under ``path``: device, rotational flag, scheduler (what sysfs says)."""
+    """The disk under ``path``: device, rotational flag, scheduler, read-ahead (sysfs)."""
     m = require_disk(path) if path.exists() else mount_of(path.parent)
     out: dict[str, object] = dict(m)
     name = Path(m["source"]).name
     block = Path("/sys/class/block") / name
     if block.exists():
-        for key in ("queue/rotational", "queue/scheduler", "size"):
+        for key in ("queue/rotational", "queue/scheduler", "queue/read_ahead_kb", "size"):
             f = block / key
             if not f.exists():
                 f = block.parent / key  # a partition: its disk's queue

@@ -7,9 +7,10 @@ budget, in one child process under the budget (``_memory_limit.py``: by default 
 cgroup, which counts the page cache), for each store:
 
     mmap     torch.from_file(shared=True) of a flat file, rows[ids] and rows[ids] = new
-             (what the ``ssd`` placement ships)
-    mmap-random  the same map after madvise(MADV_RANDOM): a page fault reads its page
-             only, not the kernel's read-around window (128 KiB by default) around it
+             (what the ``ssd`` placement shipped until this benchmark measured it)
+    mmap-random  the same map after madvise(MADV_RANDOM) (``advise_random_``, what the
+             ``ssd`` placement does now): a page fault reads its page only, not the
+             kernel's read-around window (``read_ahead_kb``) around it
     pread    os.preadv / os.pwritev of each row of the same flat file (no user-space cache)
     sqlite   sqlite3 (standard library): one BLOB per row keyed by its id (INTEGER PRIMARY
              KEY), WAL journal; reads ``id IN (...)`` in chunks, writes one executemany in
@@ -68,10 +69,11 @@ from _memory_limit import (
 )
 from bench_cache import zipf_ids
 
+from tetrarec.cache.files import advise_random_
+
 ROW_BYTES = 72  # INT8 row of D = 64 (64 codes + FP16 scale, bias) + row-wise Adagrad state
 BUILD_CHUNK = 1 << 20  # rows generated at a time while building
 STORES = ("mmap", "mmap-random", "pread", "sqlite", "lmdb")
-MADV_RANDOM = 1  # <sys/mman.h>: no read-around on a fault
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -189,16 +191,8 @@ class RandomMmapStore(MmapStore):
     not the kernel's read-around window (128 KiB by default) of neighbours never used."""
 
     def open(self) -> None:
-        import ctypes
-
         super().open()
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        page = os.sysconf("SC_PAGE_SIZE")
-        start = self.rows.data_ptr() & ~(page - 1)
-        length = self.rows.data_ptr() + self.rows.numel() - start
-        if libc.madvise(start, length, MADV_RANDOM) != 0:
-            raise OSError(ctypes.get_errno(), f"madvise(MADV_RANDOM) on {self.path}")
+        advise_random_(self.rows)
 
 
 class PreadStore(FlatFile):
