@@ -15,8 +15,8 @@ Each map is advised ``MADV_RANDOM``: the rows a batch misses are scattered over 
 file, and without the advice every page fault reads the device's whole read-around
 window (``read_ahead_kb``: 128 KiB by default, 8 MiB on the development VM) of rows
 nobody asked for. Measured (``benchmarks/results/2026-12-01-tiers.md``): 2.2 GB read
-from the disk per step for 8,200 missed 72-byte rows without it, 41 MB with it, and
-2.9x the rows read per second.
+from the disk per step for 8,200 missed 72-byte rows without it, 41 MiB with it, and
+about 3x the rows read per second.
 """
 
 from __future__ import annotations
