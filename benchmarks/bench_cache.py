@@ -28,11 +28,16 @@ the real Criteo Kaggle sample when ``../shared/data`` has it; ``--all``: every p
    (rows and row-wise Adagrad state) is >= 2x the memory budget trains from the ``ssd``
    placement with a 1% cache in a child process under that budget, against the same
    table held in memory (``cached``, no limit) in another child: samples/s, hit rate,
-   peak RSS (anonymous and file-backed). The budget is a cgroup (``systemd-run --scope
-   -p MemoryMax=``, which also counts the page cache) where systemd runs, else
-   ``RLIMIT_DATA`` (private writable memory: the heap and anonymous maps; the shared
-   file maps of the SSD tier are the kernel's reclaimable page cache and are not
-   counted). ``RLIMIT_AS`` cannot serve: it counts the file maps themselves.
+   peak RSS (anonymous and file-backed), the bytes read from and written to the disk
+   during the timed steps (``/proc/self/io``) and, under a cgroup, the group's peak
+   usage, page cache included. The budget (``_memory_limit.py``; ``--limit auto``
+   probes in this order) is a memory cgroup made for the child (v2 ``memory.max`` or
+   v1 ``memory.limit_in_bytes``: it counts the page cache, so the file's pages beyond
+   the budget are evicted and read back from the disk), else a ``systemd-run --scope
+   -p MemoryMax=`` scope, else ``RLIMIT_DATA`` (private writable memory only: the page
+   cache of the SSD files is not counted, so they stay resident; not an honest budget
+   for this part). The SSD files go in ``--ssd-dir`` (default: the temp directory),
+   which must not be a tmpfs.
 3. **Speed** (``--speed``): the cached INT8 table (5% LRU cache, every table cached)
    against the uncached FP32 table on workload W (26 tables x 1M rows x 64, batch 2048,
    pooling 20, Zipf 1.05), one embedding training step (forward, backward, fused
@@ -40,7 +45,7 @@ the real Criteo Kaggle sample when ``../shared/data`` has it; ``--all``: every p
    the ratio and a ``torch.profiler`` table of where each one's time goes.
 
     tetrarec bench cache [--seeds 3] [--train-samples N] [--eval-samples N] [--json PATH]
-    tetrarec bench cache --big [--big-rows 32000000] [--budget-mib 1024]
+    tetrarec bench cache --big [--big-rows 32000000] [--budget-mib 1024] [--limit cgroup]
     tetrarec bench cache --speed [--rounds 5] [--speed-steps 4] [--speed-warmup 8]
     python benchmarks/bench_cache.py --smoke     # every part at tiny sizes, about a minute
 """
@@ -55,7 +60,6 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -67,6 +71,7 @@ from typing import Any
 import numpy as np
 import torch
 from _harness import describe_run, kernel_summary, print_table, write_json
+from _memory_limit import METHODS, block_device_facts, disk_io, limit_method, run_limited
 
 from tetrarec.cache import CachedEmbeddingBagCollection, CacheMemory, CacheSpec, CacheStats
 from tetrarec.config import RunConfig
@@ -155,7 +160,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("--big")
     g.add_argument("--big-rows", type=int, default=32_000_000)
     g.add_argument("--budget-mib", type=int, default=1024)
-    g.add_argument("--limit", choices=("auto", "systemd", "rlimit"), default="auto")
+    g.add_argument("--limit", choices=METHODS, default="auto", help="how the budget is set")
     g.add_argument("--ssd-dir", help="directory of the SSD files (default: the temp dir)")
     g.add_argument("--big-steps", type=int, default=40)
     g = p.add_argument_group("--speed")
@@ -438,6 +443,7 @@ def big_child(args: argparse.Namespace) -> None:
     table = TableConfig(name="big", num_embeddings=args.big_rows, dim=64, precision="int8")
     spec = SparseOptimizerSpec(kind="rowwise_adagrad", lr=0.05)
     placement = "ssd" if args.big_child == "ssd" else "cached"
+    baseline_anon = _status_kib("RssAnon")  # Python, torch and the kernels, before the table
     t0 = time.perf_counter()
     ebc = CachedEmbeddingBagCollection(
         [table],
@@ -454,9 +460,11 @@ def big_child(args: argparse.Namespace) -> None:
     peak_anon = peak_file = 0
     times: list[float] = []
     before = ebc.cache_stats()["big"]
+    io0, faults0 = disk_io(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
     for step in range(args.big_steps + 3):  # 3 warm-up steps
         if step == 3:
             before = ebc.cache_stats()["big"]
+            io0, faults0 = disk_io(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
         ids = zipf_ids(args.big_rows, batch * pooling, 1.05, rng)
         feats = SparseFeatures(("big",), ids, lengths, batch)
         t = time.perf_counter()
@@ -464,6 +472,7 @@ def big_child(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - t)
         peak_anon = max(peak_anon, _status_kib("RssAnon"))
         peak_file = max(peak_file, _status_kib("RssFile") + _status_kib("RssShmem"))
+    io1, faults1 = disk_io(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
     after = ebc.cache_stats()["big"]
     hits, misses = after.hits - before.hits, after.misses - before.misses
     memory = ebc.memory()
@@ -483,57 +492,77 @@ def big_child(args: argparse.Namespace) -> None:
         "step_ms_median": 1e3 * statistics.median(timed),
         "samples_per_s": batch / statistics.median(timed),
         "hit_rate": hits / (hits + misses),
+        "baseline_rss_anon_mib": baseline_anon / 1024,
         "peak_rss_mib": _status_kib("VmHWM") / 1024,
         "peak_rss_anon_mib": peak_anon / 1024,
         "peak_rss_file_mib": peak_file / 1024,
         "peak_vm_data_mib": _status_kib("VmData") / 1024,
+        # what reached the disk during the timed steps (page-cache hits are not counted)
+        "disk_read_mib_per_step": (io1["read_bytes"] - io0["read_bytes"]) / 2**20 / len(timed),
+        "disk_write_mib_per_step": (io1["write_bytes"] - io0["write_bytes"]) / 2**20 / len(timed),
+        "major_faults_per_step": (faults1 - faults0) / len(timed),
         "rlimit_data": resource.getrlimit(resource.RLIMIT_DATA)[0],
     }
     Path(args.child_out).write_text(json.dumps(out))
 
 
-def limit_method(choice: str) -> str:
-    """``systemd`` when a transient scope with a memory limit can start here, else ``rlimit``."""
-    if choice != "auto":
-        return choice
-    if shutil.which("systemd-run") is None:
-        return "rlimit"
-    probe = ["systemd-run", "--scope", "--quiet", "-p", "MemoryMax=64M", "true"]
-    ok = subprocess.run(probe, capture_output=True, check=False).returncode == 0
-    return "systemd" if ok else "rlimit"
-
-
-def _run_child(args: argparse.Namespace, role: str, limit: str | None) -> dict[str, Any]:
+def _run_child(
+    args: argparse.Namespace, role: str, limit: str, ssd_dir: Path | None
+) -> dict[str, Any]:
+    """Run one ``--big-child``; its figures plus what the budget saw (SystemExit if it fails)."""
     out = Path(tempfile.mkstemp(prefix="tetrarec-big-", suffix=".json")[1])
     argv = [sys.executable, __file__, "--big-child", role, "--child-out", str(out)]
     argv += ["--big-rows", str(args.big_rows), "--big-steps", str(args.big_steps)]
-    argv += ["--threads", str(args.threads)] + (["--ssd-dir", args.ssd_dir] if args.ssd_dir else [])
-    budget = args.budget_mib * 2**20
-    preexec = None
-    if limit == "systemd":
-        argv = ["systemd-run", "--scope", "--quiet", "-p", f"MemoryMax={budget}", *argv]
-    elif limit == "rlimit":
-
-        def preexec() -> None:
-            resource.setrlimit(resource.RLIMIT_DATA, (budget, budget))
-
-    proc = subprocess.run(argv, preexec_fn=preexec, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
+    argv += ["--threads", str(args.threads)] + (["--ssd-dir", str(ssd_dir)] if ssd_dir else [])
+    budget = args.budget_mib * 2**20 if limit != "none" else None
+    try:
+        run = run_limited(argv, limit, budget)
+        if run.returncode != 0:
+            why = ""
+            if run.group and run.group.get("oom_kill"):
+                why = (
+                    f" (killed by the OOM killer of its memory cgroup: {args.budget_mib} MiB "
+                    "is too small for the process's own memory; see docs/design/cache.md)"
+                )
+            raise SystemExit(
+                f"bench_cache --big: the {role} child exited with {run.returncode}{why}, "
+                f"under {run.summary()}:\n{run.stderr[-3000:]}"
+            )
+        row: dict[str, Any] = json.loads(out.read_text())
+    finally:
         out.unlink()
-        raise SystemExit(f"bench_cache --big: the {role} child failed:\n{proc.stderr[-3000:]}")
-    row: dict[str, Any] = json.loads(out.read_text())
-    out.unlink()
-    row.update(part="big", limit=limit or "none", budget_mib=args.budget_mib if limit else None)
+    row.update(part="big", budget_mib=args.budget_mib if budget else None, **run.summary())
     return row
 
 
 def big(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Part 2: the same table from the SSD tier under the budget and in RAM without one."""
-    limit = limit_method(args.limit)
-    ssd = _run_child(args, "ssd", limit)
-    ram = _run_child(args, "ram", None)
-    ssd["backing_over_budget"] = ssd["backing_bytes"] / (args.budget_mib * 2**20)
+    limit, skipped = limit_method(args.limit)
+    for method, why in skipped.items():
+        print(f"bench_cache --big: no {method} limit here ({why})", file=sys.stderr)
+    if limit == "rlimit":
+        print(
+            "bench_cache --big: WARNING: RLIMIT_DATA does not count the page cache; the SSD "
+            "files may stay resident (not an honest budget)",
+            file=sys.stderr,
+        )
+    base = Path(args.ssd_dir or tempfile.gettempdir())
+    disk = block_device_facts(base)  # refuses a tmpfs
+    scratch = Path(tempfile.mkdtemp(prefix="tetrarec-big-ssd-", dir=base))
+    try:  # the child's files live under scratch: removed even if the child is killed
+        ssd = _run_child(args, "ssd", limit, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    ram = _run_child(args, "ram", "none", None)
+    ratio = ssd["backing_bytes"] / (args.budget_mib * 2**20)
+    ssd.update(ssd_dir=str(base), disk=disk, limits_skipped=skipped, backing_over_budget=ratio)
     ssd["vs_ram_samples_per_s"] = ssd["samples_per_s"] / ram["samples_per_s"]
+    if ratio < 2:
+        print(
+            f"bench_cache --big: the backing store is only {ratio:.2f}x the budget (the "
+            "issue asks >= 2x): raise --big-rows or lower --budget-mib",
+            file=sys.stderr,
+        )
     return [ssd, ram]
 
 
@@ -702,7 +731,8 @@ def report(rows: list[dict[str, Any]], targets: list[Any], kernels: dict[str, An
         print_table(
             bigs,
             ["impl", "rows", "backing_bytes", "limit", "budget_mib", "samples_per_s",
-             "hit_rate", "peak_rss_mib", "peak_rss_anon_mib", "peak_rss_file_mib"],
+             "hit_rate", "group_peak_bytes", "peak_rss_mib", "peak_rss_anon_mib",
+             "peak_rss_file_mib", "disk_read_mib_per_step", "disk_write_mib_per_step"],
         )  # fmt: skip
     fast = [r for r in rows if r["part"] == "speed"]
     if fast:

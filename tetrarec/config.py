@@ -116,32 +116,42 @@ class CacheConfig:
     """``[model.cache]``: the FP32 caches of the tables placed ``cached`` or ``ssd``.
 
     Args:
-        policy: ``lru`` or ``lfu`` (``static`` needs a data sample: build
-            ``tetrarec.cache.CachedEmbeddingBagCollection`` with ``count_ids``).
+        policy: ``lru``, ``lfu`` or ``static``. ``static`` pins each cached table's most
+            frequent rows in the first ``static_sample_batches`` training batches (the
+            trainer counts them with ``tetrarec.cache.count_ids`` before building the
+            model; a sharded run counts the same global batches, each shard pinning
+            its own rows' counts) and never admits another.
         fraction: slots per cached table as a fraction of its rows.
         bytes: or a budget for the slots (FP32 row + optimizer state) of all cached
             tables together.
         dir: where ``ssd`` tables put their memory-mapped files (default: the system's
             temporary directory).
+        static_sample_batches: training batches the ``static`` policy counts (>= 1).
+
+    Raises:
+        ValueError: if ``static_sample_batches`` is below 1.
     """
 
     policy: CachePolicy = CachePolicy.LRU
     fraction: float | None = None
     bytes: int | None = None
     dir: str | None = None
+    static_sample_batches: int = 100
+
+    def __post_init__(self) -> None:
+        if self.static_sample_batches < 1:
+            raise ValueError(
+                "model.cache.static_sample_batches must be >= 1 (training batches whose ids the "
+                f"static policy counts), got {self.static_sample_batches}"
+            )
 
     def spec(self) -> CacheSpec:
         """The library's ``CacheSpec`` of this section.
 
         Raises:
-            ValueError: for ``static``, or unless exactly one of ``fraction`` and
-                ``bytes`` is set, in range.
+            ValueError: unless exactly one of ``fraction`` and ``bytes`` is set, in
+                range.
         """
-        if self.policy is CachePolicy.STATIC:
-            raise ValueError(
-                "cache.policy = 'static' needs a data sample, which a run config "
-                "does not give; valid here: lru, lfu"
-            )
         return CacheSpec(
             policy=self.policy, fraction=self.fraction, bytes=self.bytes, directory=self.dir
         )

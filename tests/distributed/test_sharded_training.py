@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from tetrarec.config import RunConfig
@@ -54,6 +55,24 @@ CACHED = (
     "optim.sparse.kind=adagrad",
     "sharding.type=[table_wise, table_wise, column_wise, column_wise]",
 )
+# Cached data-parallel replicas (INT8 rows, one replicated table's rows in files) beside a
+# cached table-wise table: every replica runs the global batch's policy step.
+CACHED_DP = (
+    "model.placement=[cached, cached, host, ssd]",
+    "model.precision=int8",
+    "model.cache.fraction=0.25",
+    "sharding.type=[data_parallel, table_wise, data_parallel, data_parallel]",
+)
+# The static policy: every rank counts its slice of the first 3 global batches and the
+# counts are summed, so whole tables (replicated, table-wise) pin one process's rows.
+STATIC = (
+    "model.placement=[cached, cached, host, ssd]",
+    "model.precision=int8",
+    "model.cache.fraction=0.25",
+    "model.cache.policy=static",
+    "model.cache.static_sample_batches=3",
+    "sharding.type=[data_parallel, table_wise, row_wise, data_parallel]",
+)
 # Fitted statistics (every rank must apply rank 0's; a resume must reuse the saved ones).
 DENSE = ("data.dense_transform=standardize", "data.dense_clip=[-1.5, 1.5]")
 
@@ -92,6 +111,10 @@ def two_ranks(tmp_path_factory):
         Scenario("cached", (*TINY, *CACHED, "train.checkpoint_every=3", ck("cached"))),
         Scenario("cached_first_half", (*TINY, *CACHED, "train.steps=3", ck("cresumed"))),
         Scenario("cached_second_half", (*TINY, *CACHED, ck("cresumed")), resume=True),
+        Scenario("cached_dp", (*TINY, *CACHED_DP, "train.checkpoint_every=3", ck("cached_dp"))),
+        Scenario("cached_dp_first_half", (*TINY, *CACHED_DP, "train.steps=3", ck("dresumed"))),
+        Scenario("cached_dp_second_half", (*TINY, *CACHED_DP, ck("dresumed")), resume=True),
+        Scenario("static", (*TINY, *STATIC, ck("static"))),
         Scenario("rank_1_other_config", TINY, rank_overrides=((1, ("optim.sparse.lr=0.2",)),)),
         Scenario("unknown_table", (*TINY, f"sharding.plan={tmp / 'unknown.json'}")),
         Scenario("block_not_dividing", (*TINY, "sharding.type=column_wise",
@@ -253,3 +276,66 @@ def test_sharded_cached_tables_train_as_one_process_and_resume_bitwise(two_ranks
             assert any(".cache." in k for k in ta), f  # the cache contents are saved
         for k in ta:
             assert (ta[k] == tb[k]).all(), (f, k)
+
+
+def test_cached_data_parallel_tables_train_as_one_process_and_resume_bitwise(two_ranks):
+    """Cached replicated tables (INT8 rows, FP32 caches, one on SSD files) beside a
+    cached table-wise table. Bugs caught: a replica whose cache decides on its own
+    samples (its rows, and so the metrics, drift from one process's), replicas whose
+    caches differ (their checkpoints would differ), and a checkpoint without a
+    replica's cache contents (the resumed run's rows and counters would differ)."""
+    results, tmp = two_ranks
+    for name in ("cached_dp", "cached_dp_first_half", "cached_dp_second_half"):
+        assert all(r["ok"] for r in results[name]), results[name]
+    ref = one_process(*CACHED_DP)["final"]
+    plain = one_process(*CACHED_DP[1:], "model.placement=host")["final"]
+    assert plain["log_loss"] != ref["log_loss"]  # FP32 cached rows train differently
+    for rank, res in enumerate(results["cached_dp"]):
+        got = res["final"]
+        assert abs(got["log_loss"] - ref["log_loss"]) < 1e-5, (rank, got, ref)
+        assert abs(got["auc"] - ref["auc"]) < 1e-4, (rank, got, ref)
+    a, b = tmp / "cached_dp" / "step_00000006", tmp / "dresumed" / "step_00000006"
+    replicas = [load_file(str(a / f"rank_0000{r}.safetensors")) for r in (0, 1)]
+    shared = [k for k in replicas[0] if ".C1." in k or k.endswith(".C1")]
+    assert any(".cache.C1." in k for k in shared), sorted(replicas[0])
+    for key in shared:  # a replicated table: rows, state and cache equal on both ranks
+        assert torch.equal(replicas[0][key], replicas[1][key]), key
+    for f in sorted(p.name for p in a.glob("*.safetensors")):
+        ta, tb = load_file(str(a / f)), load_file(str(b / f))
+        assert ta.keys() == tb.keys(), f
+        if f.startswith("rank_"):
+            assert any(".cache.C1." in k for k in ta), f  # every replica saves its cache
+        for k in ta:
+            assert (ta[k] == tb[k]).all(), (f, k)
+
+
+def test_sharded_static_cache_pins_the_one_process_rows(two_ranks):
+    """``policy = 'static'`` in a sharded run: the sample is the first global batches,
+    whatever slice each rank reads. Bugs caught: a rank counting only its own slice
+    (replicas pinning other rows than each other and than one process), a shard
+    pinning by another block's counts, and static counts that never reach the ranks'
+    caches (the run would fail to build)."""
+    from tetrarec.train import latest_checkpoint, read_checkpoint
+
+    results, tmp = two_ranks
+    assert all(r["ok"] for r in results["static"]), results["static"]
+    ref = one_process(*STATIC, f"train.checkpoint_dir={tmp / 'static_one'}")["final"]
+    one = read_checkpoint(latest_checkpoint(tmp / "static_one")).tensors
+    ranks = [load_file(str(tmp / "static" / "step_00000006" / f"rank_0000{r}.safetensors"))
+             for r in (0, 1)]  # fmt: skip
+    for table, holders in (("C1", (0, 1)), ("C4", (0, 1)), ("C2", None)):
+        want = one[f"embedding.cache.{table}.slot_rows"]
+        found = [
+            (r, t[k])
+            for r, t in enumerate(ranks)
+            for k in t
+            if k.endswith(f"cache.{table}.slot_rows")
+        ]
+        assert found, (table, sorted(ranks[0]))
+        if holders is not None:
+            assert sorted(r for r, _ in found) == list(holders), table  # every replica
+        for r, got in found:
+            assert torch.equal(got, want), (table, r, got, want)
+    for rank, res in enumerate(results["static"]):
+        got = res["final"]
+        assert abs(got["log_loss"] - ref["log_loss"]) < 1e-5, (rank, got, ref)

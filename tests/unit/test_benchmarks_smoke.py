@@ -24,7 +24,7 @@ SCRIPTS = sorted(p.name for p in BENCH.glob("bench_*.py"))
 # tests/integration/test_integration_train.py, which skips when the data is absent.
 NEEDS_SHARED_DATA = {"bench_quality.py"}
 # Plan on paper: no kernel runs, and the report says so ("none").
-NO_KERNELS = {"bench_planner.py"}
+NO_KERNELS = {"bench_planner.py", "bench_tiers.py"}  # tiers: stores, no kernel
 
 
 def _run(script: str, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Any:

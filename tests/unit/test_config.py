@@ -288,6 +288,22 @@ def test_model_cache_section_and_per_table_placement(tmp_path: Path) -> None:
     assert not RunConfig().model.cached  # default: host, no cache section needed
 
 
+def test_static_cache_policy_loads_with_its_sample_size(tmp_path: Path) -> None:
+    """``policy = 'static'`` with ``static_sample_batches`` loads and round-trips (the
+    trainer counts the sample). Catches: the old refusal of ``static`` in a run config,
+    the sample size not read or not kept by ``to_dict``, and a default that is not 100."""
+    path = tmp_path / "run.toml"
+    path.write_text(
+        "[model]\nnum_sparse = 2\nnum_embeddings = 10\nplacement = 'cached'\n"
+        "[model.cache]\npolicy = 'static'\nfraction = 0.2\nstatic_sample_batches = 7\n"
+    )
+    c = RunConfig.from_toml(path)
+    assert c.model.cache.spec().policy is CachePolicy.STATIC
+    assert c.model.cache.static_sample_batches == 7
+    assert RunConfig.from_dict(c.to_dict()) == c
+    assert RunConfig().model.cache.static_sample_batches == 100
+
+
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
@@ -308,8 +324,8 @@ def test_model_cache_section_and_per_table_placement(tmp_path: Path) -> None:
             "need model.embedding = 'fused'",
         ),
         (
-            ["model.placement=ssd", "model.cache.fraction=0.1", "model.cache.policy=static"],
-            "model.cache.policy = 'static' needs a data sample.*valid here: lru, lfu",
+            ["model.cache.policy=static", "model.cache.static_sample_batches=0"],
+            r"model.cache.static_sample_batches must be >= 1 .*got 0",
         ),
         (["model.cache.policy=mru"], "'mru' is not one of lru, lfu, static"),
     ],

@@ -4,7 +4,7 @@ Hot rows are cached and trained in FP32 in front of backing stores in FP16, BF16
 or INT4, held in process memory or in memory-mapped files (``Placement.SSD``).
 """
 
-from tetrarec.cache.collection import CachedEmbeddingBagCollection
+from tetrarec.cache.collection import CachedEmbeddingBagCollection, CacheRoute
 from tetrarec.cache.config import CacheSpec, slot_bytes
 from tetrarec.cache.policy import Admission, CachePolicy, count_ids, hot_rows, plan_admission
 from tetrarec.cache.stats import CacheMemory, CacheStats
@@ -13,6 +13,7 @@ __all__ = [
     "Admission",
     "CacheMemory",
     "CachePolicy",
+    "CacheRoute",
     "CacheSpec",
     "CacheStats",
     "CachedEmbeddingBagCollection",

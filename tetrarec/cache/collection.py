@@ -31,6 +31,12 @@ A training batch flows as::
        every part's ``tbe_backward_update``: cached rows train in FP32 in their slots,
        uncached rows in their stored precision; the cached rows become dirty
 
+``forward`` runs these as three public steps, for callers that split them (replicas of
+a data-parallel table route the global batch and pool their own samples,
+``sharding/data_parallel.py``): ``route`` (1-2, a ``CacheRoute``), ``pooled_lookup``
+(3) and ``apply_gradients`` (4). Column blocks of a row-wise optimizer also read
+``row_gradient_shares`` and write ``add_to_row_state_`` (``sharding/block_group.py``).
+
 Host syncs: the policy step decides on the host (``torch.unique``, counts, the bounds
 check), so a training forward syncs once per cached table; on CPU that costs nothing,
 on a device it is what part 2's device cache must batch.
@@ -82,7 +88,7 @@ from tetrarec.kernels.quant import decode_rows
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures, permute_keys
 from tetrarec.types import Placement, PoolingMode, Precision
 
-__all__ = ["CachedEmbeddingBagCollection"]
+__all__ = ["CacheRoute", "CachedEmbeddingBagCollection"]
 
 _CACHE, _RAM, _SSD = 0, 1, 2
 _PLACEMENTS = (Placement.HOST, Placement.CACHED, Placement.SSD)
@@ -117,16 +123,32 @@ class _Part:
     columns: torch.Tensor  # (sum D_p,) its output columns in the full output
 
 
-@dataclasses.dataclass
-class _Route:
-    """One batch, split over the parts (built by ``_route``)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheRoute:
+    """One batch split over the parts of a ``CachedEmbeddingBagCollection`` (``route``).
+
+    Built once per batch and handed to ``pooled_lookup`` (forward) and
+    ``apply_gradients`` (backward). Its tensors index the batch it was built from: ``N``
+    ids over ``B`` samples, key-major in the collection's feature order.
+
+    Args:
+        batch: ``B``, the samples of the batch.
+        values: per part, the ids it takes, local to it (slots or rows).
+        lengths: per part, ``(F_p * B,)`` its share of each bag.
+        masks: per part, ``(N,)`` bool: which ids of the batch it takes.
+        divisor: ``(B, sum D)`` bag lengths on mean-pooled columns (1 elsewhere), or
+            ``None`` without mean pooling.
+        touched: per cached table that admitted this batch (``admit=True``):
+            ``(table index, its unique rows, their slots)``; ``apply_gradients`` checks
+            that they have not moved and marks the slots dirty.
+    """
 
     batch: int
-    values: list[torch.Tensor]  # per part: its local ids (slots or rows)
-    lengths: list[torch.Tensor]  # per part: (F_p * B,)
-    masks: list[torch.Tensor]  # per part: (N,) bool, which ids of the batch it takes
-    divisor: torch.Tensor | None  # (B, sum D): bag lengths on mean columns, else 1
-    touched: list[tuple[int, torch.Tensor, torch.Tensor]]  # (table, rows, their slots)
+    values: list[torch.Tensor]
+    lengths: list[torch.Tensor]
+    masks: list[torch.Tensor]
+    divisor: torch.Tensor | None
+    touched: list[tuple[int, torch.Tensor, torch.Tensor]]
 
 
 class _CachedLookup(torch.autograd.Function):
@@ -136,7 +158,7 @@ class _CachedLookup(torch.autograd.Function):
     def forward(
         ctx: Any,
         module: CachedEmbeddingBagCollection,
-        route: _Route,
+        route: CacheRoute,
         psw: torch.Tensor | None,
         anchor: torch.Tensor,
     ) -> torch.Tensor:
@@ -496,13 +518,49 @@ class CachedEmbeddingBagCollection(nn.Module):
         """
         if features.keys != self.feature_names:
             features = permute_keys(features, self.feature_names)
-        if features.weights is not None and any(self._means):
-            raise ValueError("per-id weights are supported with sum pooling only")
-        route = self._route(features, admit=self.training and torch.is_grad_enabled())
+        route = self.route(features, admit=self.training and torch.is_grad_enabled())
         out = _CachedLookup.apply(  # type: ignore[no-untyped-call]  # torch leaves apply unannotated
             self, route, features.weights, self._anchor
         )
         return PooledEmbeddings(self.feature_names, self.feature_dims, out)
+
+    def route(self, features: SparseFeatures, *, admit: bool) -> CacheRoute:
+        """Split a batch over the parts: each id to its slot (hit) or its backing row.
+
+        The first stage of every lookup, for ``forward`` and for callers that pool and
+        update in separate steps (data-parallel replicas run the policy step on the
+        global batch, then route their own samples through the same slot map)::
+
+            route = ebc.route(every, admit=True)   # policy step on the whole batch
+            mine = ebc.route(own, admit=False)     # read-only: the same slots
+            pooled = ebc.pooled_lookup(mine, own.weights)
+            ...
+            ebc.apply_gradients(grad_every, route, every.weights)
+
+        Args:
+            features: the batch, keys in ``feature_names`` order.
+            admit: run the policy step first (a training batch): count hits and misses,
+                evict and write back, admit misses. ``False`` only reads the slot maps.
+
+        Returns:
+            The ``CacheRoute`` for ``pooled_lookup`` and ``apply_gradients``.
+
+        Syncs:
+            Once per cached table with ``admit`` (the policy decides on the host), and
+            for the value counts of ``features`` if it does not carry them.
+
+        Raises:
+            ValueError: for keys in another order than ``feature_names``, per-id weights
+                with mean pooling, or an out-of-range id (when ``check_bounds``).
+        """
+        if features.keys != self.feature_names:
+            raise ValueError(
+                f"route: features {features.keys} must be keyed {self.feature_names} "
+                "(permute_keys first)"
+            )
+        if features.weights is not None and any(self._means):
+            raise ValueError("per-id weights are supported with sum pooling only")
+        return self._route(features, admit=admit)
 
     def _check_ids(
         self, t: TableConfig, ids: torch.Tensor, features: range, starts: list[int]
@@ -523,7 +581,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             f"of {t.num_embeddings} rows (valid ids are 0..{t.num_embeddings - 1})"
         )
 
-    def _route(self, features: SparseFeatures, *, admit: bool) -> _Route:
+    def _route(self, features: SparseFeatures, *, admit: bool) -> CacheRoute:
         batch, lengths = features.batch_size, features.lengths.long()
         local = features.values.long().clone()  # (N,) becomes slot or row per id
         dest = torch.full_like(local, _RAM, dtype=torch.int8)
@@ -559,7 +617,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             values.append(local[mask])
             part_lengths.append(counts[part.features].reshape(-1))
             masks.append(mask)
-        return _Route(
+        return CacheRoute(
             batch=batch,
             values=values,
             lengths=part_lengths,
@@ -578,8 +636,16 @@ class CachedEmbeddingBagCollection(nn.Module):
         dims = torch.tensor(self.feature_dims)
         return torch.repeat_interleave(per_bag, dims, dim=1)
 
-    def pooled_lookup(self, route: _Route, psw: torch.Tensor | None) -> torch.Tensor:
-        """``(B, sum D)`` pooled rows of a routed batch (the forward without autograd)."""
+    def pooled_lookup(self, route: CacheRoute, psw: torch.Tensor | None) -> torch.Tensor:
+        """The pooled rows of a routed batch: the forward, without autograd.
+
+        Args:
+            route: the batch's ``CacheRoute`` (``route``).
+            psw: ``(N,)`` per-id weights of that batch, or ``None``.
+
+        Returns:
+            ``(B, sum D)`` pooled rows, columns in ``feature_names`` order.
+        """
         out = torch.zeros(route.batch, sum(self.feature_dims))  # (B, sum D)
         # Backing parts first, then the cache: an all-cached (or all-uncached) bag is
         # 0 + its one part's sum, exactly what the uncached collection computes.
@@ -595,12 +661,19 @@ class CachedEmbeddingBagCollection(nn.Module):
     def apply_gradients(
         self,
         grad_out: torch.Tensor,
-        route: _Route,
+        route: CacheRoute,
         psw: torch.Tensor | None,
         *,
         want_psw: bool = False,
     ) -> torch.Tensor | None:
         """Every part's fused update for the gradient ``grad_out`` of a routed batch.
+
+        Args:
+            grad_out: ``(B, sum D)`` gradient of the batch's pooled rows.
+            route: the route the batch took; built with ``admit=True`` for a training
+                batch, so that its admitted slots are checked and marked dirty.
+            psw: ``(N,)`` per-id weights of that batch, or ``None``.
+            want_psw: also return the gradient of ``psw``.
 
         Returns:
             ``(N,)`` gradient of ``psw`` when ``want_psw``, else ``None``.
@@ -632,6 +705,90 @@ class CachedEmbeddingBagCollection(nn.Module):
             self._caches[i].dirty[slots[slots >= 0].long()] = True
         return psw_grad
 
+    def row_gradient_shares(
+        self,
+        table: int,
+        grad_out: torch.Tensor,
+        route: CacheRoute,
+        psw: torch.Tensor | None,
+        weight_decay: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per touched row of table ``table``: ``sum_d g'_d^2`` the next update would use.
+
+        ``FusedEmbeddingBagCollection.row_gradient_shares`` for a routed batch: each part
+        reports the rows it holds (a cached row from its FP32 slot, ``w`` in
+        ``g' = g + weight_decay * w`` being the slot's row), bitwise the sum its own
+        row-wise update of the row adds. Column blocks of a row-wise optimizer share
+        these (``sharding/block_group.py``).
+
+        Args:
+            table: the table's index in ``tables``.
+            grad_out: ``(B, sum D)`` gradient of the batch's pooled rows.
+            route: the batch's route (the slot map the update will use).
+            psw: ``(N,)`` per-id weights, if any.
+            weight_decay: the optimizer's weight decay (``0.0``: none).
+
+        Returns:
+            ``(rows (U,) int64 ascending and unique; share (U,) FP32)``.
+        """
+        g = grad_out.contiguous()
+        if route.divisor is not None:
+            g = g / route.divisor  # as apply_gradients divides it
+        rows, shares = [], []
+        for p, part in enumerate(self._parts):
+            if part.kind == _CACHE:
+                if table not in self._slot_home:
+                    continue
+                k = self._slot_home[table]
+            else:
+                home, k = self._home[table]
+                if home != p:
+                    continue
+            w = psw[route.masks[p]] if psw is not None else None
+            got, share = part.module.row_gradient_shares(
+                k, g.index_select(1, part.columns), route.values[p], route.lengths[p], w,
+                weight_decay,
+            )  # fmt: skip
+            if part.kind == _CACHE:
+                got = self._caches[table].slot_rows[got]  # slots -> their rows
+            rows.append(got)
+            shares.append(share)
+        every = torch.cat(rows)
+        order = torch.argsort(every)  # a row is in one part: unique
+        return every[order], torch.cat(shares)[order]
+
+    @torch.no_grad()
+    def add_to_row_state_(
+        self, table: int, name: str, rows: torch.Tensor, delta: torch.Tensor
+    ) -> None:
+        """Add ``delta[j]`` to the per-row optimizer state ``name`` of row ``rows[j]``.
+
+        Where the row's state lives now: its slot while it is cached, else the backing
+        store (the state a write-back or flush copies back).
+
+        Args:
+            table: the table's index in ``tables``.
+            name: a per-row state (``sum`` of row-wise Adagrad, ``exp_avg_sq`` of
+                row-wise Adam).
+            rows: ``(n,)`` distinct rows of the table.
+            delta: ``(n,)`` FP32 amounts.
+
+        Raises:
+            ValueError: for a state that is not per row.
+        """
+        backing, k = self._backing(table)
+        state = backing._table_state(k)
+        if name not in state or state[name].shape[1] != 1:
+            per_row = sorted(n for n, v in state.items() if v.shape[1] == 1)
+            raise ValueError(f"{name!r} is not a per-row optimizer state; per-row: {per_row}")
+        c = self._caches.get(table)
+        slots = c.row_slot[rows].long() if c is not None else torch.full_like(rows, -1)
+        hit = slots >= 0
+        if bool(hit.any()):
+            cached = self._slots()._table_state(self._slot_home[table])[name]
+            cached[:, 0].index_add_(0, slots[hit], delta[hit])
+        state[name][:, 0].index_add_(0, rows[~hit], delta[~hit])
+
     # -- what the trainer reads -------------------------------------------------------------
 
     def cache_stats(self) -> dict[str, CacheStats]:
@@ -649,6 +806,16 @@ class CachedEmbeddingBagCollection(nn.Module):
                 write_backs=write_backs,
             )
         return out
+
+    def cached_rows(self) -> dict[str, torch.Tensor]:
+        """``{table: rows its cache holds, ascending}`` for every cached table.
+
+        Under the ``static`` policy, the pinned rows.
+        """
+        return {
+            self.tables[i].name: torch.sort(c.slot_rows[c.slot_rows >= 0]).values
+            for i, c in self._caches.items()
+        }
 
     def memory(self) -> CacheMemory:
         """Bytes by tier (rows in their stored precision, FP32 state, metadata)."""

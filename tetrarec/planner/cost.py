@@ -86,7 +86,10 @@ processor-shared, and every rank of the node has its compute done at::
     T_node = max(max_r c_r C / R, sum_r c_r / R)
 
 (one rank never runs faster than one core; all of them never faster than ``C``
-cores); a rank's step is ``T_node`` + its communication + the dense all-reduce.
+cores); a rank's step is ``T_node`` + its communication + the dense all-reduce. Its
+intra-node bytes (``max(in, out)`` times ``spb_link``'s intra-node part) are memory
+copies by the same cores (loopback), so they join ``c_r``: a rank that receives every
+table's ids while its node-mates wait copies them on a whole core.
 """
 
 from __future__ import annotations
@@ -106,6 +109,7 @@ __all__ = [
     "Uniform",
     "dense_seconds",
     "latency_collectives",
+    "link_parts",
     "link_seconds_per_byte",
     "option_groups",
     "ring_seconds_per_byte",
@@ -221,15 +225,18 @@ class Uniform:
 
 def link_seconds_per_byte(topo: Topology) -> float:
     """Seconds per byte of an all-to-all over the world (module docstring)."""
+    return sum(link_parts(topo))
+
+
+def link_parts(topo: Topology) -> tuple[float, float]:
+    """``spb_link``'s (intra-node, inter-node) parts (module docstring)."""
     w, local = topo.world_size, topo.ranks_per_node
-    if w == 1:
-        return 0.0
-    spb = 0.0
-    if local > 1:
-        spb += ((local - 1) / w) / topo.intra_node_bandwidth
+    intra = inter = 0.0
+    if w > 1 and local > 1:
+        intra = ((local - 1) / w) / topo.intra_node_bandwidth
     if w > local:
-        spb += ((w - local) / w) / topo.inter_node_bandwidth
-    return spb
+        inter = ((w - local) / w) / topo.inter_node_bandwidth
+    return intra, inter
 
 
 def ring_seconds_per_byte(topo: Topology) -> float:

@@ -22,7 +22,7 @@ from tetrarec.planner.cost import (
     Option,
     dense_seconds,
     latency_collectives,
-    link_seconds_per_byte,
+    link_parts,
     option_groups,
     shard_cost,
     shared_compute,
@@ -262,10 +262,14 @@ def evaluate(
             )
         )
     fast = TIER_ORDER.index(topo.fast_tier)
-    spb = link_seconds_per_byte(topo)
+    intra, inter = link_parts(topo)
+    if not topo.cores_shared:
+        intra, inter = 0.0, intra + inter
     compute, allreduce = dense_seconds(inputs)
     latency = topo.collective_latency_s * latency_collectives(groups)
-    busy = [lookup[r] + compute for r in range(w)]
+    moved = [max(cin[r] + u_in, cout[r] + u_out) for r in range(w)]
+    copies = [moved[r] * intra for r in range(w)]  # shared cores: copies by the cores
+    busy = [lookup[r] + compute + copies[r] for r in range(w)]
     done = shared_compute(topo, busy)  # shared cores: each rank's share of its node's
     ranks = []
     for r in range(w):
@@ -281,7 +285,7 @@ def evaluate(
                 cache=parts[r][2],
                 buffers=parts[r][3] + u_buf,
                 lookup_s=lookup[r] * scale,
-                comm_s=max(cin[r] + u_in, cout[r] + u_out) * spb + u_sec + latency,
+                comm_s=copies[r] * scale + moved[r] * inter + u_sec + latency,
                 dense_s=compute * scale + allreduce,
             )
         )

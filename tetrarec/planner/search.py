@@ -44,6 +44,7 @@ from tetrarec.planner.cost import (
     Uniform,
     dense_seconds,
     latency_collectives,
+    link_parts,
     link_seconds_per_byte,
     option_groups,
     shard_cost,
@@ -256,6 +257,7 @@ class _Ranks:
         self.full = np.array([*caps, max(budget, 0.0)])[:, None]
         self.cap = self.full.copy()
         self.spb = link_seconds_per_byte(topo)
+        self.intra = link_parts(topo)[0]  # shared cores: copies by the node's cores
         compute, allreduce = dense_seconds(inputs)
         self.dense = compute + allreduce
         self.dense_compute = compute
@@ -274,10 +276,10 @@ class _Ranks:
         return self.u_sec + self.dense + self.latency * latency_collectives(groups)
 
     def times(self) -> np.ndarray:
-        comm = np.maximum(self.cin + self.u_in, self.cout + self.u_out) * self.spb
-        times = self.lookup + comm + self.fixed(self.groups)
+        moved = np.maximum(self.cin + self.u_in, self.cout + self.u_out)
+        times = self.lookup + moved * self.spb + self.fixed(self.groups)
         if self.topo.cores_shared:  # the nodes' compute is processor-shared (cost.py)
-            busy = self.lookup + self.dense_compute
+            busy = self.lookup + self.dense_compute + moved * self.intra
             done = np.asarray(shared_compute(self.topo, busy.tolist()))
             times = times - busy + done
         return times

@@ -30,8 +30,10 @@ from typing import Any
 
 import torch
 
+from tetrarec.cache import CachedEmbeddingBagCollection
 from tetrarec.comm import Handle
 from tetrarec.embedding import TableConfig
+from tetrarec.kernels import FusedEmbeddingBagCollection
 from tetrarec.sharding.env import ShardingEnv
 from tetrarec.sharding.group import LocalShard, LookupOptions, ShardedGroup, select_features
 from tetrarec.sharding.plan import TablePlan
@@ -236,21 +238,38 @@ class RowwiseAcrossBlocks:
 
         Each local block's share comes from ``FusedEmbeddingBagCollection.
         row_gradient_shares`` (one ``tetrarec::tbe_row_gradient_shares`` call: the sum of
-        squares the kernel's own row-wise update of the block adds, bitwise).
+        squares the kernel's own row-wise update of the block adds, bitwise). Cached
+        blocks (``CachedEmbeddingBagCollection``) report each row from the part that
+        holds it, through the batch's slot map (routed again, read-only: the forward's
+        admissions are done, and its backward checks that no later forward moved its
+        rows), and the delta goes to the row's state where it lives (slot or backing).
         """
-        local = group.fused_local()
+        local = group.local
         shares: dict[str, torch.Tensor] = {}
         runs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # local table -> (rows, S)
         if local is not None and features is not None:
+            route = (
+                local.route(features, admit=False)
+                if isinstance(local, CachedEmbeddingBagCollection)
+                else None
+            )
             for name, indices in self.local_runs.items():
                 total = None
                 for i in indices:
-                    # One compiled pass per block: the backward's own sort and sums,
-                    # the squares added as its row-wise rule adds them.
-                    rows, share = local.row_gradient_shares(
-                        i, grad, features.values, features.lengths, features.weights,
-                        self.weight_decay,
-                    )  # fmt: skip
+                    # One compiled pass per block (per part of a cached block): the
+                    # backward's own sort and sums, the squares added as its row-wise
+                    # rule adds them.
+                    if route is not None:
+                        assert isinstance(local, CachedEmbeddingBagCollection)
+                        rows, share = local.row_gradient_shares(
+                            i, grad, route, features.weights, self.weight_decay
+                        )
+                    else:
+                        assert isinstance(local, FusedEmbeddingBagCollection)
+                        rows, share = local.row_gradient_shares(
+                            i, grad, features.values, features.lengths, features.weights,
+                            self.weight_decay,
+                        )  # fmt: skip
                     runs[i] = (rows, share)  # (U,), (U,)
                     total = share if total is None else total + share
                 assert total is not None
@@ -273,17 +292,18 @@ class RowwiseAcrossBlocks:
                 offset += n
         if local is None:
             return
-        state = local.optimizer_state()
+        key = "sum" if self.kind is OptimizerKind.ROWWISE_ADAGRAD else "exp_avg_sq"
         for name, indices in self.local_runs.items():
             for i in indices:
                 rows, share = runs[i]
                 d_block = local.tables[i].dim
                 delta = every[name] / self.dims[name] - share / d_block
-                key = "sum" if self.kind is OptimizerKind.ROWWISE_ADAGRAD else "exp_avg_sq"
                 if self.kind is OptimizerKind.ROWWISE_ADAM:
                     delta = delta * ((1.0 - self.beta2) / self.beta2)
-                table_state = state[local.tables[i].name][key]
-                table_state.index_add_(0, rows, delta)
+                if isinstance(local, CachedEmbeddingBagCollection):
+                    local.add_to_row_state_(i, key, rows, delta)
+                else:
+                    local.optimizer_state()[local.tables[i].name][key].index_add_(0, rows, delta)
 
 
 class _AcrossBlocks(torch.autograd.Function):

@@ -13,6 +13,22 @@ layout, so the rows equal it bit for bit)::
 This all-gathers B x (ids + D) values per table instead of all-reducing a dense
 rows x D gradient, and never materializes a table-sized gradient; it suits the small,
 hot tables data parallelism is for. The ids are gathered while forward goes on.
+
+Cached replicas (plan placement ``cached`` or ``ssd``: the local module is a
+``CachedEmbeddingBagCollection``) must also make the one process's cache decisions, so
+a training forward waits for the gathered ids and runs the cache's policy step on the
+*global* batch (``route(every, admit=True)``: hits, misses, evictions with write-back,
+admissions, all counted as one process counts them); every replica then holds the same
+slots. It pools its own samples through that slot map (``route(own, admit=False)``),
+and backward applies the global batch's update through the global route::
+
+    R0: f [[1]]                 R1: f [[1, 2]]          (a cache of 1 slot, empty)
+    forward on both ranks: policy step on f [[1], [1, 2]] -> row 1 admitted
+        (2 lookups of row 1 first, row 2 once: misses 3); R0 pools slot 0, R1 pools
+        slot 0 + row 2 from the backing store
+    backward on both ranks: the global update; row 1 trains in FP32 in its slot
+
+Evaluation (no grad) reads the caches without changing them, as one process does.
 """
 
 from __future__ import annotations
@@ -22,9 +38,9 @@ from typing import Any
 
 import torch
 
+from tetrarec.cache import CachedEmbeddingBagCollection, CacheRoute
 from tetrarec.comm import Handle
 from tetrarec.embedding import TableConfig
-from tetrarec.kernels import FusedEmbeddingBagCollection
 from tetrarec.sharding.env import ShardingEnv
 from tetrarec.sharding.group import LocalShard, LookupOptions, ShardedGroup
 from tetrarec.sharding.plan import Shard, ShardingPlan, TablePlan
@@ -127,7 +143,11 @@ class ReplicatedGroup(ShardedGroup):
 
 
 class _ReplicatedLookup(torch.autograd.Function):
-    """Forward: pool this rank's samples. Backward: the global batch's fused update."""
+    """Forward: pool this rank's samples. Backward: the global batch's fused update.
+
+    A cached replica runs its policy step on the global batch in forward (module
+    docstring) and keeps that batch's route for backward.
+    """
 
     @staticmethod
     def forward(
@@ -137,17 +157,23 @@ class _ReplicatedLookup(torch.autograd.Function):
         weights: torch.Tensor | None,
         anchor: torch.Tensor,
     ) -> torch.Tensor:
-        local = group.fused_local()
-        assert local is not None
+        local = group.local
+        assert local is not None  # a replicated group holds every table
         sf = routed.features
-        ctx.group, ctx.routed = group, routed
+        ctx.group, ctx.routed, ctx.route = group, routed, None
+        if isinstance(local, CachedEmbeddingBagCollection):
+            assert routed.gathered is not None  # a training forward gathers the ids
+            every = routed.gathered.wait()  # (sum B) samples: the one process's batch
+            route: CacheRoute = local.route(every, admit=local.training)
+            ctx.route = route
+            return local.pooled_lookup(local.route(sf, admit=False), sf.weights)
         return local.pooled_lookup(sf.values, sf.lengths, sf.weights)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         group: ReplicatedGroup = ctx.group
         routed: Routed = ctx.routed
-        local: FusedEmbeddingBagCollection | None = group.fused_local()
+        local = group.local
         assert local is not None
         assert routed.gathered is not None
         comm = group.env.comm
@@ -156,9 +182,14 @@ class _ReplicatedLookup(torch.autograd.Function):
         ).wait()
         every = routed.gathered.wait()
         want_psw = routed.features.weights is not None and ctx.needs_input_grad[2]
-        psw_grad = local.apply_gradients(
-            torch.cat(grads), every.values, every.lengths, every.weights, want_psw=want_psw
-        )
+        if isinstance(local, CachedEmbeddingBagCollection):
+            psw_grad = local.apply_gradients(
+                torch.cat(grads), ctx.route, every.weights, want_psw=want_psw
+            )
+        else:
+            psw_grad = local.apply_gradients(
+                torch.cat(grads), every.values, every.lengths, every.weights, want_psw=want_psw
+            )
         mine = None
         if want_psw:
             assert psw_grad is not None

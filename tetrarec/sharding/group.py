@@ -17,7 +17,7 @@ empty leaf): the collectives of backward are then issued in the same order every
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +48,9 @@ class LookupOptions:
         check_bounds: check ids (done once, before they are sent).
         cache: the policy, default size and SSD directory of the shards whose plan
             placement is ``cached`` or ``ssd`` (default: LRU, the plan's fractions).
+        static_counts: ``{global table name: (rows,) id counts}`` of a data sample,
+            for the ``static`` policy (``tetrarec.cache.count_ids``); each cached shard
+            pins the hottest of its own rows by its rows' counts.
     """
 
     optimizer: SparseOptimizerSpec
@@ -56,6 +59,7 @@ class LookupOptions:
     stochastic_rounding: bool = True
     check_bounds: bool = True
     cache: CacheSpec | None = None
+    static_counts: Mapping[str, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +128,19 @@ def select_features(
     )
 
 
+def _shard_counts(
+    shards: Sequence[LocalShard], counts: Mapping[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor] | None:
+    """Each shard's rows' counts out of its global table's (``LookupOptions.static_counts``)."""
+    if counts is None:
+        return None
+    return {
+        s.name: counts[s.table.name][s.rows[0] : s.rows[1]]
+        for s in shards
+        if s.table.name in counts
+    }
+
+
 class ShardedGroup(nn.Module):
     """Base of the groups (see the module docstring).
 
@@ -179,6 +196,7 @@ class ShardedGroup(nn.Module):
                 stochastic_rounding=options.stochastic_rounding,
                 seed=options.seed,
                 slices=[s.slice() for s in self.shards],
+                static_counts=_shard_counts(self.shards, options.static_counts),
             )
         elif self.shards:
             self.local = FusedEmbeddingBagCollection(
@@ -192,15 +210,6 @@ class ShardedGroup(nn.Module):
                 slices=[s.slice() for s in self.shards],
             )
         self.check_bounds = options.check_bounds
-
-    def fused_local(self) -> FusedEmbeddingBagCollection | None:
-        """The local kernels, where a stage needs the fused collection's own methods.
-
-        The global-batch update of replicated tables and the row-wise state across
-        column blocks; ``_check_placements`` keeps cached shards out of those stages.
-        """
-        assert not isinstance(self.local, CachedEmbeddingBagCollection)
-        return self.local
 
     @property
     def local_dim(self) -> int:

@@ -25,6 +25,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -84,11 +85,13 @@ def shard_collection(
     env: ShardingEnv,
     *,
     cache: CacheSpec | None = None,
+    static_counts: Mapping[str, torch.Tensor] | None = None,
 ) -> ShardedEmbeddingBagCollection:
     """The sharded version of ``module`` (its rows copied unless it is on meta).
 
     ``cache``: policy, default size and SSD directory of the shards the plan places
-    ``cached`` or ``ssd``.
+    ``cached`` or ``ssd``; ``static_counts``: ``{table: (rows,) counts}`` of a data
+    sample for the ``static`` policy (``LookupOptions.static_counts``).
     """
     options = LookupOptions(
         optimizer=module.optimizer_spec,
@@ -97,6 +100,7 @@ def shard_collection(
         stochastic_rounding=module.stochastic_rounding,
         check_bounds=module.check_bounds,
         cache=cache,
+        static_counts=static_counts,
     )
     sharded = ShardedEmbeddingBagCollection(module.tables, plan, env, options)
     on_meta = any(s.device.type == "meta" for s in module.storages())
@@ -114,6 +118,7 @@ def shard_model(
     *,
     agree_on: Mapping[str, Any] | None = None,
     cache: CacheSpec | None = None,
+    static_counts: Mapping[str, torch.Tensor] | None = None,
 ) -> nn.Module:
     """Shard ``model``'s embedding collections by ``plan``; wrap its dense part in DDP.
 
@@ -124,6 +129,7 @@ def shard_model(
         agree_on: more facts every rank must share (for example the run's config).
         cache: the row caches of tables the plan places ``cached`` or ``ssd``
             (``shard_collection``).
+        static_counts: the ``static`` policy's sample counts (``shard_collection``).
 
     Returns:
         ``model`` wrapped in ``DistributedDataParallel`` (or ``model`` itself in a
@@ -152,7 +158,7 @@ def shard_model(
     }
     check_ranks_agree(env, facts)
     for name, module in found:
-        sharded = shard_collection(module, plan, env, cache=cache)
+        sharded = shard_collection(module, plan, env, cache=cache, static_counts=static_counts)
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, sharded)
     if env.world_size == 1:

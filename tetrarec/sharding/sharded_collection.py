@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from tetrarec.cache import CachedEmbeddingBagCollection
+from tetrarec.cache import CachedEmbeddingBagCollection, CacheStats
 from tetrarec.comm import Handle
 from tetrarec.embedding import TableConfig, feature_order
 from tetrarec.kernels import FusedEmbeddingBagCollection, FusedOptimizer
@@ -35,21 +35,20 @@ from tetrarec.sharding.plan import ShardingPlan, TablePlan
 from tetrarec.sharding.routing import BlockColumns, place_columns
 from tetrarec.sharding.strategy import GROUPS, STRATEGIES
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures, permute_keys
-from tetrarec.types import OptimizerKind, Placement, ShardingType
+from tetrarec.types import Placement
 
 __all__ = ["ShardedEmbeddingBagCollection"]
 
 
-def _check_placements(
-    plan: ShardingPlan, env: ShardingEnv, tables: Sequence[TableConfig], options: LookupOptions
-) -> None:
+def _check_placements(plan: ShardingPlan, env: ShardingEnv, tables: Sequence[TableConfig]) -> None:
     """Refuse placements the shards cannot honour.
 
     Rows live in the rank's own memory (host memory on a CPU rank, device memory on an
     accelerator) at the table's configured precision; on a CPU rank a shard may also be
-    ``cached`` or ``ssd`` (``tetrarec.cache``: each rank caches its own shards), except
-    for data-parallel tables (every replica applies the global batch's update) and
-    column blocks of a row-wise optimizer (their row state is shared across blocks).
+    ``cached`` or ``ssd`` (``tetrarec.cache``: each rank caches its own shards; the
+    replicas of a data-parallel table all run the global batch's policy step; column
+    blocks of a row-wise optimizer share their rows' state wherever it lives, slot or
+    backing store).
 
     Raises:
         ValueError: naming the tables and their placements.
@@ -69,24 +68,19 @@ def _check_placements(
     on_cpu = env.device.type in ("cpu", "meta")
     here = Placement.HOST if on_cpu else Placement.DEVICE
     allowed = {here, Placement.CACHED, Placement.SSD} if on_cpu else {here}
-    rowwise = options.optimizer.kind in (OptimizerKind.ROWWISE_ADAGRAD, OptimizerKind.ROWWISE_ADAM)
-    no_cache = {ShardingType.DATA_PARALLEL}
-    if rowwise:
-        no_cache |= {ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE}
     bad = []
     for tp in plan:
         where = tp.placement
         if where is None or where.placement is here:
             continue
-        if where.placement not in allowed or tp.sharding in no_cache:
+        if where.placement not in allowed:
             bad.append(f"{tp.table} ({tp.sharding.value}, {where.describe()})")
     if bad:
         raise ValueError(
             f"the sharding plan places tables {', '.join(bad)} where their shards cannot "
             f"live: a sharded table's rows stay in this rank's {here.value} memory"
             + (
-                ", or cached / on SSD (tetrarec.cache) unless the table is data-parallel "
-                "or split into column blocks with a row-wise optimizer"
+                ", or cached / on SSD (tetrarec.cache)"
                 if on_cpu
                 else " (the row cache runs on CPU ranks)"
             )
@@ -119,7 +113,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.tables = tuple(tables)
         plan.validate(self.tables)
         plan.check_world(env.world_size, env.local_world_size)
-        _check_placements(plan, env, self.tables, options)
+        _check_placements(plan, env, self.tables)
         self.plan, self.env, self.options = plan, env, options
         self.feature_names = feature_order(self.tables)
         self.feature_dims = tuple(t.dim for t in self.tables for _ in t.feature_names)
@@ -200,6 +194,30 @@ class ShardedEmbeddingBagCollection(nn.Module):
         out: dict[str, torch.Tensor] = {}
         for local in self._locals():
             out.update(local.table_weights())
+        return out
+
+    def cache_stats(self) -> dict[str, CacheStats]:
+        """``{local table name: CacheStats}`` of this rank's cached shards.
+
+        A whole table (table-wise, or a data-parallel replica, whose policy step runs on
+        the global batch) counts what the one-process cache counts; a row block counts
+        its own rows' lookups.
+        """
+        out: dict[str, CacheStats] = {}
+        for local in self._locals():
+            if isinstance(local, CachedEmbeddingBagCollection):
+                out.update(local.cache_stats())
+        return out
+
+    def cached_rows(self) -> dict[str, torch.Tensor]:
+        """``{local table name: rows in its cache, ascending}`` of this rank's cached shards.
+
+        Row ids are local to the shard (``shard_layout`` gives its first global row).
+        """
+        out: dict[str, torch.Tensor] = {}
+        for local in self._locals():
+            if isinstance(local, CachedEmbeddingBagCollection):
+                out.update(local.cached_rows())
         return out
 
     # -- FusedState -----------------------------------------------------------------------

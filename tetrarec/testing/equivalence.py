@@ -9,7 +9,8 @@
    (decoded to FP32) and optimizer state, and where each block sits.
 5. ``compare`` puts the blocks back together (``unshard``) and checks outputs, rows and
    optimizer state against the reference: exactly where only data moves, within
-   ``tolerance`` where partial sums are added in another order.
+   ``tolerance`` where partial sums are added in another order; a rank's whole cached
+   tables (table-wise, data-parallel) must also count as the reference's caches.
 
 ``EquivalenceCase`` is one frozen value, so a worker takes one argument per case and a
 spawn can run a list of cases.
@@ -224,6 +225,7 @@ def _run_case(ctx: RankContext, case: EquivalenceCase) -> dict[str, Any]:
         "weight_grads": weight_grads,
         **local_blocks(module),
         "stats": stats,
+        "cache_stats": module.cache_stats(),
     }
 
 
@@ -262,6 +264,9 @@ def reference_run(case: EquivalenceCase) -> dict[str, Any]:
     return {
         "outputs": outputs,
         "weight_grads": weight_grads,
+        "cache_stats": (
+            module.cache_stats() if isinstance(module, CachedEmbeddingBagCollection) else {}
+        ),
         "weights": module.table_weights(),
         "state": {t: {k: v.clone() for k, v in s.items()} for t, s in state.items()},
     }
@@ -322,6 +327,17 @@ def compare(
             bad.append(f"{case.name}: per-id weight gradient of step {step}: {e}")
     if case.weight_grad and not reference["weight_grads"]:
         bad.append(f"{case.name}: the reference computed no per-id weight gradient")
+    for r, res in enumerate(per_rank):
+        # A rank's whole table (table-wise, a data-parallel replica) or column block
+        # ("<table>@c<col>": every row, every id) decides and counts as the one-process
+        # cache; row blocks ("@r") count their own rows' lookups and are not compared.
+        for name, stats in res.get("cache_stats", {}).items():
+            want_stats = reference.get("cache_stats", {}).get(name.split("@c")[0])
+            if want_stats is not None and stats != replace(want_stats, table=name):
+                bad.append(
+                    f"{case.name}: cache counters of {name} on rank {r}: {stats}, "
+                    f"one process: {want_stats}"
+                )
     weights, state, problems = unshard(case.tables, per_rank)
     bad.extend(f"{case.name}: {p}" for p in problems)
     for name, want in reference["weights"].items():

@@ -7,7 +7,7 @@ exactly what training builds.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -77,22 +77,39 @@ EMBEDDINGS: dict[
 }
 
 
-def build_embeddings(config: RunConfig, tables: tuple[TableConfig, ...]) -> nn.Module:
+def build_embeddings(
+    config: RunConfig,
+    tables: tuple[TableConfig, ...],
+    static_counts: Mapping[str, torch.Tensor] | None = None,
+) -> nn.Module:
     """The embedding module ``config.model.embedding`` names, seeded by ``train.seed``.
 
     Where a table's ``model.placement`` is ``cached`` or ``ssd``, the fused collection
     is a ``tetrarec.cache.CachedEmbeddingBagCollection`` (``[model.cache]``).
+
+    Args:
+        config: the run.
+        tables: its tables (``build_tables``).
+        static_counts: ``{table: (rows,) counts}`` of the ``static`` policy's sample
+            (``tetrarec.train.static_cache.sample_counts``). Without them a static
+            cache pins rows ``0..slots-1``: only for a model whose state a checkpoint
+            replaces next (``tetrarec eval`` loads the pinned rows it saved).
     """
     model = config.model
     if model.cached:  # ModelConfig has checked that the embedding is fused
-        from tetrarec.cache import CachedEmbeddingBagCollection
+        from tetrarec.cache import CachedEmbeddingBagCollection, CachePolicy
 
         placements = {t.name: p for t, p in zip(tables, model.table_placements)}
+        if static_counts is None and model.cache.policy is CachePolicy.STATIC:
+            static_counts = {
+                t.name: torch.zeros(t.num_embeddings, dtype=torch.int64) for t in tables
+            }
         return CachedEmbeddingBagCollection(
             tables,
             config.optim.sparse,
             model.cache.spec(),
             placements=placements,
+            static_counts=static_counts,
             seed=config.train.seed,
         )
     return EMBEDDINGS[model.embedding](tables, config.optim.sparse, config.train.seed)
@@ -190,7 +207,13 @@ class RunParts:
             opt.step()
 
 
-def build_parts(config: RunConfig, *, num_dense: int, describe_only: bool = False) -> RunParts:
+def build_parts(
+    config: RunConfig,
+    *,
+    num_dense: int,
+    describe_only: bool = False,
+    static_counts: Mapping[str, torch.Tensor] | None = None,
+) -> RunParts:
     """Build the model and its optimizers, all initialized from ``config.train.seed``.
 
     Args:
@@ -198,6 +221,8 @@ def build_parts(config: RunConfig, *, num_dense: int, describe_only: bool = Fals
         num_dense: dense features the data provides (checked against the model).
         describe_only: put the fused embedding module on the meta device: it only
             describes the tables, for ``shard_model`` to build each rank's blocks.
+        static_counts: the ``static`` cache policy's sample counts
+            (``build_embeddings``).
 
     Raises:
         ValueError: if the data's dense width differs from ``model.dlrm.num_dense``.
@@ -220,7 +245,7 @@ def build_parts(config: RunConfig, *, num_dense: int, describe_only: bool = Fals
             build_tables(config.model), config.optim.sparse, seed=config.train.seed, device="meta"
         )
     else:
-        embeddings = build_embeddings(config, build_tables(config.model))
+        embeddings = build_embeddings(config, build_tables(config.model), static_counts)
     model = build_model(config.model.dlrm, embeddings)
     dense_opt = build_dense_optimizer(config.optim, list(model.dense_parameters()))
     sparse_opt = embedding_optimizer(embeddings, config.optim.sparse)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 
 import torch
 
@@ -177,12 +178,22 @@ def _planned(config: RunConfig, env: ShardingEnv) -> ShardingPlan:
     return plan
 
 
-def sharded_parts(config: RunConfig, env: ShardingEnv, *, num_dense: int) -> RunParts:
-    """The run's model, sharded by its plan, and its optimizers."""
+def sharded_parts(
+    config: RunConfig,
+    env: ShardingEnv,
+    *,
+    num_dense: int,
+    static_counts: Mapping[str, torch.Tensor] | None = None,
+) -> RunParts:
+    """The run's model, sharded by its plan, and its optimizers.
+
+    ``static_counts``: the ``static`` cache policy's sample counts (the same on every
+    rank); each cached shard pins the hottest of its rows.
+    """
     plan = make_plan(config, env)
     parts = build_parts(config, num_dense=num_dense, describe_only=True)
     cache = config.model.cache.spec() if config.model.cached else None
-    wrapped = shard_model(parts.model, plan, env, cache=cache)
+    wrapped = shard_model(parts.model, plan, env, cache=cache, static_counts=static_counts)
     optimizer = getattr(model_embeddings(parts.model), "fused_optimizer", None)
     assert isinstance(optimizer, torch.optim.Optimizer)  # a sharded collection has one
     return RunParts(

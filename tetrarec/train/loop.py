@@ -64,6 +64,7 @@ from tetrarec.train.metrics import BestEval, Metrics, miscalibration
 from tetrarec.train.optim import set_learning_rate
 from tetrarec.train.schedule import lr_scale
 from tetrarec.train.state import load_run_state, restore_dense_transform, save_run_state
+from tetrarec.train.static_cache import log_pinned, pinned_rows, sample_counts
 
 __all__ = ["NonFiniteLossError", "TrainResult", "train"]
 
@@ -232,12 +233,17 @@ class _Run:
             logger.info("one process: the [sharding] section applies to torchrun launches")
         self.rank, self.world = (self.env.rank, self.env.world_size) if self.env else (0, 1)
         self.train_ds, self.eval_ds = run_datasets(config, self.env)
+        counts = sample_counts(config, self.train_ds, self.env)  # static cache policy only
         if self.env is not None:
             self.parts: RunParts = sharded_parts(
-                config, self.env, num_dense=self.train_ds.num_dense
+                config, self.env, num_dense=self.train_ds.num_dense, static_counts=counts
             )
         else:
-            self.parts = build_parts(config, num_dense=self.train_ds.num_dense)
+            self.parts = build_parts(
+                config, num_dense=self.train_ds.num_dense, static_counts=counts
+            )
+        if counts is not None:
+            self._log_pinned(counts)
         names = tuple(model_embeddings(self.parts.model).feature_names)
         if tuple(self.train_ds.keys) != names:
             raise ValueError(
@@ -264,6 +270,12 @@ class _Run:
         self.loader: BatchLoader | None = None
         self.owns_group = False  # set by train()
         self.writer = _summary_writer(config.train) if self.rank == 0 else None  # last
+
+    def _log_pinned(self, counts: dict[str, torch.Tensor]) -> None:
+        """Each cached table's (shard's) pinned rows and the sample share they serve."""
+        pinned = pinned_rows(self.parts.model.get_submodule("embeddings"), counts)
+        sample = self.config.model.cache.static_sample_batches
+        log_pinned(pinned, sample, self.rank if self.env is not None else None)
 
     def resume(self) -> None:
         root = self.config.train.checkpoint_dir
@@ -443,9 +455,13 @@ class _Run:
             self._checkpoint()
 
     def _cache_total(self) -> CacheStats | None:
-        """All cached tables' counters summed, or ``None`` without a cached collection."""
+        """All cached tables' counters summed, or ``None`` without a cached table.
+
+        Sharded: this rank's cached shards (rank 0 logs them), ``None`` without any.
+        """
         stats = getattr(self.parts.model.get_submodule("embeddings"), "cache_stats", None)
-        return CacheStats.total(stats().values()) if callable(stats) else None
+        tables = stats() if callable(stats) else {}
+        return CacheStats.total(tables.values()) if tables else None
 
     def _cache_interval(self) -> CacheStats | None:
         """The cache counters since the last log (hit rate of this interval)."""

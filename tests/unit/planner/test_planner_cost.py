@@ -227,3 +227,40 @@ def test_routing_is_charged_per_group_in_its_units() -> None:
     assert route_seconds(INPUTS, TABLE, _opt()) == 0.0  # not calibrated: not charged
     assert uniform_cost(inputs, TABLE, _opt(ShardingType.ROW_WISE, blocks=2)).seconds == rw
     assert topo.rank.route_rates("row") == (100.0, 1000.0)
+
+
+def test_loopback_copies_share_the_cores_with_compute() -> None:
+    """Catches the intra-node bytes of a rank whose node-mates wait priced at the busy
+    rate where ranks share cores (4 ranks on 2 cores: the rank that receives every
+    table's ids copies them on a whole core), or shared where each rank has its own."""
+    from tetrarec.embedding import TableConfig
+    from tetrarec.planner import predict
+    from tetrarec.sharding import Shard, ShardingPlan, TablePlan
+
+    fast = replace(TOPO.rank, host_bandwidth=1e18, matmul_flops=1e18, host_memory=1e9)
+    shared = replace(TOPO, ranks_per_node=4, cores_per_node=2, collective_latency_s=0.0, rank=fast)
+    names = [f"t{i}" for i in range(4)]
+    specs = tuple(
+        TableSpec(name=n, rows=1000, dim=4, features=(n,), stats=(AccessStats(mean_pooling=2.0),))
+        for n in names
+    )
+    inputs = PlannerInputs(tables=specs, batch_size=64, topology=shared)
+    one_rank = ShardingPlan(
+        world_size=4,
+        local_world_size=4,
+        tables=tuple(
+            TablePlan(table=n, sharding=ShardingType.TABLE_WISE,
+                      shards=(Shard(rank=0, rows=(0, 1000), cols=(0, 4)),))
+            for n in names
+        ),
+    )  # fmt: skip
+    one_rank.validate([TableConfig(name=n, num_embeddings=1000, dim=4) for n in names])
+    got = predict(inputs, one_rank)
+    intra = (3 / 4) / shared.intra_node_bandwidth
+    # rank 0 receives every rank's ids (16 ids x 8 B per table) and its own outputs'
+    # gradients; the others send theirs: per-rank bytes as the cost model counts them
+    alone = replace(inputs, topology=replace(shared, cores_per_node=0))
+    moved = [r.comm_s / intra for r in predict(alone, one_rank).ranks]
+    want = max(max(moved) * intra * 2 / 4, sum(moved) * intra / 4)
+    assert got.step_s == pytest.approx(want, rel=1e-6)
+    assert got.step_s < predict(alone, one_rank).step_s  # shared: cheaper than busy rate
