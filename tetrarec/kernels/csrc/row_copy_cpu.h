@@ -31,19 +31,20 @@ RowCopyArgs row_copy_args(const at::Tensor& src, const at::Tensor& src_index,
                           const at::Tensor& dst, const at::Tensor& dst_index, int64_t D,
                           const char* op) {
   TETRAREC_CHECK(src.dim() == 2 && dst.dim() == 2 && src.is_contiguous() && dst.is_contiguous(),
-                 op, ": src and dst must be contiguous 2-D row buffers");
+                 "tetrarec ", op, ": src and dst must be contiguous 2-D row buffers");
   for (const at::Tensor* ix : {&src_index, &dst_index})
-    TETRAREC_CHECK(ix->scalar_type() == at::kLong && ix->dim() == 1 && ix->is_contiguous(), op,
-                   ": src_index and dst_index must be contiguous 1-D int64");
-  TETRAREC_CHECK(src_index.numel() == dst_index.numel(), op, ": ", src_index.numel(),
+    TETRAREC_CHECK(ix->scalar_type() == at::kLong && ix->dim() == 1 && ix->is_contiguous(),
+                   "tetrarec ", op, ": src_index and dst_index must be contiguous 1-D int64");
+  TETRAREC_CHECK(src_index.numel() == dst_index.numel(), "tetrarec ", op, ": ",
+                 src_index.numel(),
                  " source and ", dst_index.numel(), " destination indices");
   RowCopyArgs a{src_index.numel(), D, src.size(0), dst.size(0), src_index.data_ptr<int64_t>(),
                 dst_index.data_ptr<int64_t>()};
   for (int64_t j = 0; j < a.n; ++j) {
-    TETRAREC_CHECK(a.src_index[j] >= 0 && a.src_index[j] < a.src_rows, op, ": source row ",
-                   a.src_index[j], " is outside 0..", a.src_rows - 1);
-    TETRAREC_CHECK(a.dst_index[j] >= 0 && a.dst_index[j] < a.dst_rows, op, ": destination row ",
-                   a.dst_index[j], " is outside 0..", a.dst_rows - 1);
+    TETRAREC_CHECK(a.src_index[j] >= 0 && a.src_index[j] < a.src_rows, "tetrarec ", op,
+                   ": source row ", a.src_index[j], " is outside 0..", a.src_rows - 1);
+    TETRAREC_CHECK(a.dst_index[j] >= 0 && a.dst_index[j] < a.dst_rows, "tetrarec ", op,
+                   ": destination row ", a.dst_index[j], " is outside 0..", a.dst_rows - 1);
   }
   return a;
 }
@@ -215,7 +216,7 @@ void load_rows(const at::Tensor& src, const at::Tensor& src_index, at::Tensor& d
   TETRAREC_CHECK(dst.scalar_type() == at::kFloat, "tetrarec load_rows: dst must be float32, got ",
                  dst.scalar_type());
   const int64_t D = dst.dim() == 2 ? dst.size(1) : 0;
-  const RowCopyArgs a = row_copy_args(src, src_index, dst, dst_index, D, "tetrarec load_rows");
+  const RowCopyArgs a = row_copy_args(src, src_index, dst, dst_index, D, "load_rows");
   dispatch_codec(src, precision, [&](auto codec) {
     using Codec = decltype(codec);
     const int64_t width = Codec::width(D);
@@ -245,7 +246,7 @@ void store_rows(const at::Tensor& src, const at::Tensor& src_index, at::Tensor& 
   TETRAREC_CHECK(flags.size() == 5, "tetrarec store_rows: flags are [stochastic, seed, "
                  "iteration, row_key, col_start], got ", flags.size(), " values");
   const int64_t D = src.dim() == 2 ? src.size(1) : 0;
-  const RowCopyArgs a = row_copy_args(src, src_index, dst, dst_index, D, "tetrarec store_rows");
+  const RowCopyArgs a = row_copy_args(src, src_index, dst, dst_index, D, "store_rows");
   const bool sr = flags[0] != 0;
   const uint64_t step =
       static_cast<uint64_t>(flags[1]) * 0x9E3779B97F4A7C15ULL ^ static_cast<uint64_t>(flags[2]);
