@@ -179,3 +179,35 @@ def _plain_plan(policy, miss_rows, miss_counts, slot_rows, busy, last_used, freq
         pairs = [(m, v) for m, v in pairs if freq[m] > freq[slot_rows[v]]]
     victims = [v for _, v in pairs]
     return first + [m for m, _ in pairs], free[: len(first)] + victims, victims
+
+
+def test_both_id_dedup_paths_train_alike():
+    """Checked ids are deduplicated with an int32 sort, unchecked ones with
+    ``torch.unique``: the same rows, counts and so the same training, bit for bit.
+
+    Catches: counts misaligned with their rows, or rows in another order, on either path.
+    """
+    from tetrarec.cache import CachedEmbeddingBagCollection, CacheSpec
+    from tetrarec.embedding import SparseOptimizerSpec, TableConfig
+    from tetrarec.sparse import SparseFeatures
+
+    tables = [TableConfig(name="t", num_embeddings=40, dim=4, precision="int8")]
+    spec = SparseOptimizerSpec(kind="rowwise_adagrad", lr=0.1)
+    modules = [
+        CachedEmbeddingBagCollection(
+            tables, spec, CacheSpec(policy=policy, fraction=0.2), check_bounds=check, seed=3
+        )
+        for policy in ("lru", "lfu")
+        for check in (True, False)
+    ]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        bags = [(torch.rand(6, generator=gen) ** 3 * 40).long().tolist() for _ in range(8)]
+        for m in modules:
+            m(SparseFeatures.from_lists({"t": bags})).values.sum().backward()
+    for checked, unchecked in (modules[0:2], modules[2:4]):
+        a, b = checked.state_dict(), unchecked.state_dict()
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        assert checked.cache_stats() == unchecked.cache_stats()
+        assert checked.cache_stats()["t"].evictions > 0
