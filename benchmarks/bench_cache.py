@@ -64,7 +64,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +97,7 @@ class Variant:
     name: str
     precision: str
     cache_fraction: float | None  # None: placement host (no cache)
+    policy: str = "lru"  # of the cached variants
 
     def overrides(self) -> list[str]:
         """The run-config overrides that make this variant (nothing else differs)."""
@@ -106,7 +107,7 @@ class Variant:
         return [
             *out,
             "model.placement=cached",
-            "model.cache.policy=lru",
+            f"model.cache.policy={self.policy}",
             f"model.cache.fraction={self.cache_fraction}",
         ]
 
@@ -157,6 +158,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--dim", type=int, default=64)
     g.add_argument("--batch", type=int, default=2048)
     g.add_argument("--criteo", choices=("auto", "yes", "no"), default="auto")
+    g.add_argument(
+        "--policy", choices=("lru", "lfu", "static"), default="lru", help="of the cached variants"
+    )
+    g.add_argument(
+        "--variants",
+        default=",".join(v.name for v in VARIANTS),
+        help="comma-separated variant names (fp32, the reference, always runs)",
+    )
     g = p.add_argument_group("--big")
     g.add_argument("--big-rows", type=int, default=32_000_000)
     g.add_argument("--budget-mib", type=int, default=1024)
@@ -228,8 +237,10 @@ def weight_memory(config: RunConfig) -> CacheMemory:
     tables = build_tables(model)
     spec = model.cache.spec() if model.cached else CacheSpec(fraction=0.0)
     placements = {t.name: p for t, p in zip(tables, model.table_placements)}
+    # the static policy pins rows by a sample's counts; which rows does not change bytes
+    counts = {t.name: torch.zeros(t.num_embeddings) for t in tables}
     ebc = CachedEmbeddingBagCollection(
-        tables, config.optim.sparse, spec, placements=placements, seed=0
+        tables, config.optim.sparse, spec, placements=placements, seed=0, static_counts=counts
     )
     return ebc.memory()
 
@@ -288,12 +299,14 @@ def _mean(runs: list[dict[str, Any]], key: str) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def run_tradeoff(base: RunConfig, data: str, seeds: list[int]) -> list[dict[str, Any]]:
+def run_tradeoff(
+    base: RunConfig, data: str, seeds: list[int], variants: tuple[Variant, ...] = VARIANTS
+) -> list[dict[str, Any]]:
     """Every variant, every seed, on one data set; one result row per variant."""
     rows = []
     scratch = Path(tempfile.mkdtemp(prefix="tetrarec-bench-cache-"))
     try:
-        for v in VARIANTS:
+        for v in variants:
             config = base.with_overrides(v.overrides())
             memory = weight_memory(config)
             runs = [train_variant(base, v, s, scratch) for s in seeds]
@@ -303,6 +316,7 @@ def run_tradeoff(base: RunConfig, data: str, seeds: list[int]) -> list[dict[str,
                     "part": "tradeoff",
                     "data": data,
                     "variant": v.name,
+                    "policy": v.policy if v.cache_fraction is not None else None,
                     "impl": f"tetrarec-{v.name}",
                     "kernels": kernel_summary()["kernels"],  # after the runs loaded them
                     "weight_bytes": memory.weight_bytes,
@@ -342,7 +356,9 @@ def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each target of issue 11 against the measured rows: PASS or FAIL per condition."""
     out = []
     for t in TARGETS:
-        r = next(r for r in rows if r["variant"] == t.variant)
+        r = next((r for r in rows if r["variant"] == t.variant), None)
+        if r is None:  # not run (--variants)
+            continue
         checks = {
             f"memory <= {t.max_memory_ratio:.3f} x fp32": r["memory_ratio"] <= t.max_memory_ratio,
             f"AUC >= fp32 - {t.max_auc_drop}": r["auc_delta"] >= -t.max_auc_drop,
@@ -405,12 +421,22 @@ def criteo_wanted(args: argparse.Namespace) -> bool:
 def tradeoff(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Part 1 on the synthetic data (and the Criteo sample): result rows and targets."""
     seeds = list(range(args.seeds))
-    rows = run_tradeoff(synthetic_config(args), "synthetic", seeds)
+    names = {n.strip() for n in args.variants.split(",") if n.strip()} | {"fp32"}
+    unknown = names - {v.name for v in VARIANTS}
+    if unknown:
+        raise SystemExit(
+            f"bench_cache: unknown --variants {sorted(unknown)}; valid: "
+            f"{[v.name for v in VARIANTS]}"
+        )
+    variants = tuple(replace(v, policy=args.policy) for v in VARIANTS if v.name in names)
+    rows = run_tradeoff(synthetic_config(args), "synthetic", seeds, variants)
     if criteo_wanted(args):
         with _in_repo_root():
             base = RunConfig.from_toml(CRITEO_RECIPE)
             base = base.with_overrides([f"train.threads={args.threads}"])
-            rows += run_tradeoff(base, "criteo_kaggle_sample", [base.train.seed + s for s in seeds])
+            rows += run_tradeoff(
+                base, "criteo_kaggle_sample", [base.train.seed + s for s in seeds], variants
+            )
     targets = [t for data in dict.fromkeys(r["data"] for r in rows) for t in
                check_targets([r for r in rows if r["data"] == data])]  # fmt: skip
     return rows, targets
