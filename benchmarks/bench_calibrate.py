@@ -429,7 +429,8 @@ def fit_routing(rates: dict[str, float], topology: Any, batch: int) -> dict[str,
     Each point's step (``rates``, seconds: the slowest rank's) less what the cost model
     predicts for it on ``topology`` without routing is the routing's (plus a fixed part);
     the slopes over the points that add ids and pooled values are the rates, in the
-    units of ``tetrarec.planner.cost.route_seconds`` (clamped at 0).
+    units of ``tetrarec.planner.cost.route_seconds`` (clamped at 0); what is left at the
+    base point, beyond the block group's, is the group's ``_route_s_per_step``.
     """
     from tetrarec.embedding import TableConfig
     from tetrarec.planner import AccessStats, PlannerInputs, TableSpec, predict
@@ -439,6 +440,7 @@ def fit_routing(rates: dict[str, float], topology: Any, batch: int) -> dict[str,
 
     w = topology.world_size
     out: dict[str, float] = {}
+    intercept: dict[str, float] = {}
     for group, sharding in ROUTE_GROUPS:
         kind = ShardingType(sharding)
         residual, units = [], []
@@ -477,8 +479,16 @@ def fit_routing(rates: dict[str, float], topology: Any, batch: int) -> dict[str,
         per_value = (residual[more_values] - residual[base]) / d_values
         # the ids point keeps the values: what is left over is the ids'
         per_id = (residual[more_ids] - residual[base]) / d_ids
-        out[f"{group}_route_s_per_id"] = max(per_id, 0.0)
-        out[f"{group}_route_s_per_value"] = max(per_value, 0.0)
+        per_id, per_value = max(per_id, 0.0), max(per_value, 0.0)
+        out[f"{group}_route_s_per_id"] = per_id
+        out[f"{group}_route_s_per_value"] = per_value
+        intercept[group] = residual[base] - units[base][0] * per_id - units[base][1] * per_value
+    # What is left at the base point is the group's fixed cost per step; the block
+    # group's is in collective_latency_s already (_stage_seconds measures it), so the
+    # others' is what they cost beyond it.
+    for group, _ in ROUTE_GROUPS:
+        extra = intercept[group] - intercept["block"]
+        out[f"{group}_route_s_per_step"] = max(extra, 0.0) if group != "block" else 0.0
     return out
 
 
@@ -688,7 +698,7 @@ def topology(results: list[dict[str, Any]], ssd_dir: Path) -> dict[str, Any]:
             **{
                 k: pick(f"per-rank {k}")
                 for g, _ in ROUTE_GROUPS
-                for k in (f"{g}_route_s_per_id", f"{g}_route_s_per_value")
+                for k in (f"{g}_route_s_per_id", f"{g}_route_s_per_value", f"{g}_route_s_per_step")
             },
         },
     }

@@ -14,9 +14,9 @@ the cost model (``tetrarec.planner.predict``) on a topology calibrated in the sa
    torchrec is installed, TorchRec's ``EmbeddingShardingPlanner`` choice for the same
    tables and world, translated into a tetrarec plan.
 3. **measure**: the ranks build every plan's sharded model, warm each up, then time
-   ``--steps`` training steps of each, the plans taking turns step by step (so that a
-   burst of load from elsewhere falls on all alike); a plan's step is the slowest
-   rank's median.
+   ``--steps`` training steps of each, the plans taking turns step by step, each round
+   starting at the next plan (so that a burst of load from elsewhere, and the place in
+   the round, fall on all alike); a plan's step is the slowest rank's median.
 
 Reported per world size: predicted and measured step of every plan, the Spearman rank
 correlation, the mean absolute error in percent, the planner's plan against the fastest
@@ -362,8 +362,9 @@ def _step(cfg: Config, splan: ShardingPlan, ctx: Any) -> Any:
 
 def measure_worker(ctx: Any, cfg: Config, plans: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """This rank's step times per plan: every plan's model is built, warmed up, then the
-    plans take turns step by step (``cfg.steps`` rounds of one step each), so a burst of
-    load from elsewhere on the machine falls on all of them alike."""
+    plans take turns step by step (``cfg.steps`` rounds of one step each, each round
+    starting at the next plan), so a burst of load from elsewhere on the machine, and
+    the place in the round, fall on all of them alike."""
     from tetrarec.comm import second_group
 
     torch.set_num_threads(max(1, cfg.cores // ctx.world_size))
@@ -374,8 +375,12 @@ def measure_worker(ctx: Any, cfg: Config, plans: dict[str, dict[str, Any]]) -> d
             step()
     times: dict[str, list[float]] = {name: [] for name in plans}
     comm = {name: {"calls": 0.0, "bytes_sent": 0.0} for name in plans}
-    for _ in range(cfg.steps):
-        for name, step in steps.items():
+    names = list(steps)
+    for i in range(cfg.steps):
+        # each round starts at the next plan: a plan's place in the round (measured:
+        # the first ran ~2 ms faster than the same plan later on) falls on all alike
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            step = steps[name]
             ctx.comm.barrier(label="bench")
             ctx.comm.reset_stats()
             ctx.dense_comm.reset_stats()

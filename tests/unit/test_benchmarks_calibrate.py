@@ -26,6 +26,7 @@ RANK_KEYS = {
     "ssd_bandwidth", "matmul_flops", "lookup_ids_per_s",
     "block_route_s_per_id", "block_route_s_per_value", "row_route_s_per_id",
     "row_route_s_per_value", "replicated_route_s_per_id", "replicated_route_s_per_value",
+    "block_route_s_per_step", "row_route_s_per_step", "replicated_route_s_per_step",
 }  # fmt: skip
 MEASURED = ("host_memory", "ssd", "host_bandwidth", "ssd_bandwidth", "matmul_flops",
             "lookup_ids_per_s")  # fmt: skip
@@ -97,6 +98,9 @@ def test_routing_fit_recovers_planted_rates() -> None:
         "row_route_s_per_value": 4e-9,
         "replicated_route_s_per_id": 5e-8,
         "replicated_route_s_per_value": 0.0,
+        "block_route_s_per_step": 0.0,  # the block group's is collective_latency_s's
+        "row_route_s_per_step": 2e-3,
+        "replicated_route_s_per_step": 1e-3,
     }
     routed = replace(bare, rank=replace(bare.rank, **planted))
     steps = {}

@@ -63,7 +63,8 @@ bucketizing and regrouping ids, copying and summing pooled values; calibrated pe
 as ``rank.<group>_route_s_per_id`` and ``_per_value``): every rank, per table, for its
 ``b P`` ids and ``b d`` pooled values with ``k`` shards (``option.blocks``)::
 
-    route_s = ids s_id + values s_value
+    route_s = ids s_id + values s_value      (+ rank.<group>_route_s_per_step once per
+                                               step for each group in use)
     block (TW, CW, TWCW): ids = b P k    values = b d        (each id goes to k blocks)
     row (RW, TWRW):       ids = b P      values = b d k      (k partial sums per value)
     replicated (DP):      ids = b P k    values = b d k      (the global batch's ids and
@@ -108,6 +109,7 @@ __all__ = [
     "ShardCost",
     "Uniform",
     "dense_seconds",
+    "group_seconds",
     "latency_collectives",
     "link_parts",
     "link_seconds_per_byte",
@@ -132,6 +134,8 @@ GROUP_OF = {
     ShardingType.DATA_PARALLEL: "replicated",
 }
 COLLECTIVES_PER_GROUP = {"block": 4, "row": 4, "replicated": 3, "block_rowwise_state": 1}
+#: The groups with calibrated routing rates (``RankResources.route_rates``).
+ROUTE_GROUPS = ("block", "row", "replicated")
 #: Optimizers whose per-row state the blocks of a column-split table share.
 ROWWISE_KINDS = (OptimizerKind.ROWWISE_ADAGRAD, OptimizerKind.ROWWISE_ADAM)
 
@@ -388,6 +392,18 @@ def option_groups(table: TableSpec, option: Option) -> frozenset[str]:
     if option.sharding in _BLOCKS and option.blocks > 1 and table.optimizer in ROWWISE_KINDS:
         return frozenset((group, "block_rowwise_state"))
     return frozenset((group,))
+
+
+def group_seconds(topo: Topology, groups: set[str] | frozenset[str]) -> float:
+    """Fixed seconds per step of the sharding groups in use.
+
+    ``collective_latency_s`` per collective (``latency_collectives``) plus each group's
+    ``rank.<group>_route_s_per_step``.
+    """
+    fixed = sum(
+        getattr(topo.rank, f"{g}_route_s_per_step", 0.0) for g in groups if g in ROUTE_GROUPS
+    )
+    return topo.collective_latency_s * latency_collectives(groups) + fixed
 
 
 def latency_collectives(groups: set[str] | frozenset[str]) -> int:

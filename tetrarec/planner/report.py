@@ -21,7 +21,7 @@ from typing import Any
 from tetrarec.planner.cost import (
     Option,
     dense_seconds,
-    latency_collectives,
+    group_seconds,
     link_parts,
     option_groups,
     shard_cost,
@@ -266,7 +266,7 @@ def evaluate(
     if not topo.cores_shared:
         intra, inter = 0.0, intra + inter
     compute, allreduce = dense_seconds(inputs)
-    latency = topo.collective_latency_s * latency_collectives(groups)
+    latency = group_seconds(topo, groups)
     moved = [max(cin[r] + u_in, cout[r] + u_out) for r in range(w)]
     copies = [moved[r] * intra for r in range(w)]  # shared cores: copies by the cores
     busy = [lookup[r] + compute + copies[r] for r in range(w)]

@@ -43,7 +43,7 @@ from tetrarec.planner.cost import (
     ShardCost,
     Uniform,
     dense_seconds,
-    latency_collectives,
+    group_seconds,
     link_parts,
     link_seconds_per_byte,
     option_groups,
@@ -262,7 +262,6 @@ class _Ranks:
         self.dense = compute + allreduce
         self.dense_compute = compute
         self.topo = topo
-        self.latency = topo.collective_latency_s
 
     def keep_free(self, later: float) -> None:
         """Leave ``later`` bytes of the fast tier free on every rank.
@@ -273,7 +272,7 @@ class _Ranks:
         self.cap[self.fast] = max(float(self.full[self.fast, 0]) - later, 0.0)
 
     def fixed(self, groups: set[str]) -> float:
-        return self.u_sec + self.dense + self.latency * latency_collectives(groups)
+        return self.u_sec + self.dense + group_seconds(self.topo, groups)
 
     def times(self) -> np.ndarray:
         moved = np.maximum(self.cin + self.u_in, self.cout + self.u_out)
@@ -330,7 +329,7 @@ def _evaluate(
         return tier, float(u.buffers), float(-free[st.fast].min())
     fits: np.ndarray = np.asarray((free >= need).all(axis=0))
     groups = st.groups | option_groups(table, option)
-    fixed = st.u_sec + u.seconds + st.dense + st.latency * latency_collectives(groups)
+    fixed = st.u_sec + u.seconds + st.dense + group_seconds(st.topo, groups)
     base_in, base_out = st.cin + st.u_in + u.bytes_in, st.cout + st.u_out + u.bytes_out
     t_u = st.lookup + np.maximum(base_in, base_out) * st.spb + fixed
     t_p = (

@@ -21,6 +21,7 @@ from tetrarec.planner import (
 )
 from tetrarec.planner.cost import (
     Option,
+    group_seconds,
     latency_collectives,
     link_seconds_per_byte,
     option_groups,
@@ -264,3 +265,14 @@ def test_loopback_copies_share_the_cores_with_compute() -> None:
     want = max(max(moved) * intra * 2 / 4, sum(moved) * intra / 4)
     assert got.step_s == pytest.approx(want, rel=1e-6)
     assert got.step_s < predict(alone, one_rank).step_s  # shared: cheaper than busy rate
+
+
+def test_groups_in_use_pay_their_fixed_cost_once_per_step() -> None:
+    """Catches a group's per-step cost charged per table, for groups not in use, or the
+    collectives' latency dropped beside it."""
+    topo = replace(TOPO, rank=replace(TOPO.rank, row_route_s_per_step=0.5))
+    lat = TOPO.collective_latency_s
+    assert group_seconds(topo, {"block"}) == pytest.approx(5 * lat)  # 4 + the dense one
+    assert group_seconds(topo, {"block", "row"}) == pytest.approx(9 * lat + 0.5)
+    assert group_seconds(topo, {"row", "block_rowwise_state"}) == pytest.approx(6 * lat + 0.5)
+    assert group_seconds(TOPO, {"row"}) == pytest.approx(5 * lat)
