@@ -73,8 +73,8 @@ RANKS_PER_NODE = 2
 POOLING = 8  # ids per bag of the per-rank lookup rates (per-id work, not per-bag output)
 #: The sharding groups whose routing is calibrated, each by one of its types.
 ROUTE_GROUPS = (("block", "table_wise"), ("row", "row_wise"), ("replicated", "data_parallel"))
-#: (pooling, dim) of the routing points: a base, 8x the ids, 4x the pooled values.
-ROUTE_POINTS = ((2, 32), (16, 32), (2, 128))
+#: (pooling, dim) of the routing points: a base, 16x the ids, 8x the pooled values.
+ROUTE_POINTS = ((2, 32), (32, 32), (2, 256))
 ROUTE_BATCH = 2048  # global batch of the routing points
 ROUTE_ROWS = 256  # rows of each routing table: the kernels' rows stay in the CPU's caches
 
@@ -279,7 +279,7 @@ def rank_rates(
     gen = torch.Generator().manual_seed(ctx.rank)
     spec = SparseOptimizerSpec(kind=OptimizerKind.ROWWISE_ADAGRAD, lr=0.01)
 
-    def lookup_seconds(table_rows: int, n: int) -> float:
+    def lookup_step(table_rows: int, n: int) -> Any:
         table = TableConfig(name="t", num_embeddings=table_rows, dim=DIM)
         ebc = FusedEmbeddingBagCollection([table], spec, seed=ctx.rank)
         bags = torch.full((n // POOLING,), POOLING, dtype=torch.long)
@@ -297,20 +297,33 @@ def rank_rates(
             it[0] += 1
             out.backward(grad)
 
-        ctx.comm.barrier(label="calib")
-        return measure(lookup, warmup=2, iters=iters).median
+        return lookup
 
-    # Slopes over 3 ids more per id remove the fixed cost of a call. In a tiny table
-    # every id repeats a cached row: only the per-id work is left (forward + backward);
-    # in a big one, uniform ids are distinct rows: per-id work plus the rows' bytes.
-    # Where noise (other work on the machine) leaves a slope <= 0, the larger point's
-    # seconds per id bound it instead (fixed cost included: an overestimate, never 0).
-    tiny_4 = lookup_seconds(256, 4 * ids)
-    tiny = (tiny_4 - lookup_seconds(256, ids)) / (3 * ids)
-    tiny = tiny if tiny > 0 else tiny_4 / (4 * ids)
-    big_4 = lookup_seconds(rows, 4 * ids)
-    big = (big_4 - lookup_seconds(rows, ids)) / (3 * ids)
-    big = big if big > tiny else max(big_4 / (4 * ids), 2 * tiny)
+    # The four lookups take turns (each after a barrier, each round starting at the
+    # next): their differences are what counts, so a burst of other work must fall on
+    # all alike. Slopes over 3 ids more per id remove the fixed cost of a call. In a
+    # tiny table every id repeats a cached row: only the per-id work is left (forward
+    # + backward); in a big one, uniform ids are distinct rows: per-id work plus the
+    # rows' bytes.
+    points = {(r, k): lookup_step(r, k * ids) for r in (256, rows) for k in (1, 4)}
+    for step in points.values():
+        for _ in range(2):
+            step()
+    spent: dict[tuple[int, int], list[float]] = {p: [] for p in points}
+    order = list(points)
+    for i in range(2 * iters):
+        for p in order[i % len(order) :] + order[: i % len(order)]:
+            ctx.comm.barrier(label="calib")
+            t0 = time.perf_counter()
+            points[p]()
+            spent[p].append(time.perf_counter() - t0)
+    t = {p: statistics.median(v) for p, v in spent.items()}
+    # Where noise still leaves a slope <= 0, the larger point's seconds per id bound it
+    # instead (fixed cost included: an overestimate, never 0).
+    tiny = (t[256, 4] - t[256, 1]) / (3 * ids)
+    tiny = tiny if tiny > 0 else t[256, 4] / (4 * ids)
+    big = (t[rows, 4] - t[rows, 1]) / (3 * ids)
+    big = big if big > tiny else max(t[rows, 4] / (4 * ids), 2 * tiny)
     row_bytes, state_bytes = DIM * 4, 4  # FP32 row, one row-wise Adagrad sum
     lookup_ids_per_s = 2 / tiny if tiny > 0 else 0.0
     lookup_bandwidth = (3 * row_bytes + 2 * state_bytes) / max(big - max(tiny, 0.0), 1e-12)
@@ -344,7 +357,7 @@ def rank_rates(
         "a2a_small_s": statistics.median(a2a["1"]),
         "a2a_large_s": statistics.median(a2a[str(a2a_floats)]),
         "stage_s": _stage_seconds(ctx, iters),
-        **_route_seconds(ctx, route_batch, iters),
+        **_route_seconds(ctx, route_batch, 3 * iters),
     }
 
 
@@ -381,7 +394,13 @@ def _route_seconds(ctx: Any, batch: int, iters: int) -> dict[str, float]:
     """Training steps of a sharded lookup per sharding group (``ROUTE_GROUPS``) at each
     ``ROUTE_POINTS`` (pooling, dim): one table of ``ROUTE_ROWS`` rows per rank, whose
     rows stay in the CPU's caches, so what grows with the ids and the pooled values is
-    the group's routing around the kernels (``fit_routing``). ``batch`` is global."""
+    the group's routing around the kernels (``fit_routing``). ``batch`` is global.
+
+    The differences between points are a few milliseconds, so every point's module is
+    built first and the points take turns, each step after a barrier, each round
+    starting at the next point (as ``bench plans`` times plans): a burst of other work
+    falls on all alike. Each point's figure is this rank's median.
+    """
     from tetrarec.embedding import SparseOptimizerSpec, TableConfig
     from tetrarec.kernels import FusedEmbeddingBagCollection
     from tetrarec.sharding import ShardingEnv, plan_by_type, shard_collection
@@ -392,7 +411,7 @@ def _route_seconds(ctx: Any, batch: int, iters: int) -> dict[str, float]:
     local = max(1, batch // w)
     gen = torch.Generator().manual_seed(ctx.rank)
     spec = SparseOptimizerSpec(kind=OptimizerKind.ROWWISE_ADAGRAD, lr=0.01)
-    out = {}
+    steps = {}
     for group, sharding in ROUTE_GROUPS:
         for pooling, dim in ROUTE_POINTS:
             tables = [
@@ -411,11 +430,19 @@ def _route_seconds(ctx: Any, batch: int, iters: int) -> dict[str, float]:
             def step(sharded: Any = sharded, feats: SparseFeatures = feats) -> None:
                 sharded(feats).values.sum().backward()
 
+            steps[route_key(group, pooling, dim)] = step
+    keys = list(steps)
+    for key in keys:
+        for _ in range(2):
+            steps[key]()
+    times: dict[str, list[float]] = {key: [] for key in keys}
+    for i in range(max(iters, 5)):
+        for key in keys[i % len(keys) :] + keys[: i % len(keys)]:
             ctx.comm.barrier(label="calib")
-            out[route_key(group, pooling, dim)] = measure(
-                step, warmup=2, iters=max(iters, 5)
-            ).median
-    return out
+            t0 = time.perf_counter()
+            steps[key]()
+            times[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(v) for key, v in times.items()}
 
 
 def route_key(group: str, pooling: int, dim: int) -> str:
