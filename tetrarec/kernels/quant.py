@@ -191,7 +191,8 @@ def dequantize_rows(packed: torch.Tensor, precision: Precision, dim: int) -> tor
     payload = (dim * precision.bits + 7) // 8
     q = packed[:, :payload]
     if precision.bits == 4:
-        q = torch.stack([q & 0x0F, q >> 4], dim=2).reshape(packed.shape[0], -1)[:, :dim]
+        # (R, 2 payload) spelled out: with no rows, -1 would be ambiguous
+        q = torch.stack([q & 0x0F, q >> 4], dim=2).reshape(packed.shape[0], 2 * payload)[:, :dim]
     # A fresh copy (storage offset 0): viewing bytes as FP16 needs an even offset, and a
     # single row's slice is already contiguous at the odd offset of an odd payload.
     tail = packed[:, payload : payload + 4].clone(memory_format=torch.contiguous_format)

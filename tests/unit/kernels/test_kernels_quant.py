@@ -203,3 +203,14 @@ def test_compiled_and_portable_stochastic_rounding_agree_bit_for_bit(
         ebc(sf).values.backward(-step)
         got[mode] = ebc.state_dict()["weights.t"]
     assert torch.equal(got["auto"], got["reference"])
+
+
+@pytest.mark.parametrize("precision", [Precision.INT8, Precision.INT4])
+@pytest.mark.parametrize("dim", [3, 8])
+def test_no_rows_round_trip(precision: Precision, dim: int) -> None:
+    """Catches an unpack that cannot take zero rows (INT4's nibble split reshaped with
+    -1: a batch whose ids all hit a cache decoded no backing row and raised)."""
+    empty = torch.empty(0, dim)
+    packed = quantize_rows(empty, precision)
+    assert packed.shape == (0, precision.row_bytes(dim))
+    assert dequantize_rows(packed, precision, dim).shape == (0, dim)
