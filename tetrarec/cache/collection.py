@@ -85,6 +85,7 @@ from tetrarec.embedding import (
 )
 from tetrarec.kernels import FusedEmbeddingBagCollection, FusedOptimizer, ops
 from tetrarec.kernels.quant import decode_rows
+from tetrarec.kernels.tbe import load_table_rows
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures, permute_keys
 from tetrarec.types import Placement, PoolingMode, Precision
 
@@ -916,24 +917,12 @@ class CachedEmbeddingBagCollection(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        expected = set()
+        rows = {}
         for i, t in enumerate(self.tables):
-            key = f"{prefix}weights.{t.name}"
-            expected.add(key)
             backing, k = self._backing(i)
-            dst = backing._table_rows(k)
-            if key not in state_dict:
-                missing_keys.append(key)
-                continue
-            src = state_dict[key]
-            if src.numel() != dst.numel() or src.dtype != dst.dtype:
-                error_msgs.append(
-                    f"{key}: expected {tuple(dst.shape)} {dst.dtype}, "
-                    f"got {tuple(src.shape)} {src.dtype}"
-                )
-                continue
-            with torch.no_grad():
-                dst.copy_(src.reshape(dst.shape))
+            rows[f"{prefix}weights.{t.name}"] = backing._table_rows(k)
+        load_table_rows(state_dict, rows, missing_keys, error_msgs)
+        expected = set(rows)
         expected.add(f"{prefix}rounding")
         rounding = state_dict.get(f"{prefix}rounding")
         if rounding is not None:

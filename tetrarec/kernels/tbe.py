@@ -87,6 +87,32 @@ class _FusedLookup(torch.autograd.Function):
         return None, None, None, psw_grad if want_psw else None, None
 
 
+def load_table_rows(
+    state_dict: Mapping[str, torch.Tensor],
+    expected: Mapping[str, torch.Tensor],
+    missing_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Copy each ``state_dict[key]`` into ``expected[key]`` (a table's row view, in place).
+
+    A key absent from ``state_dict`` goes to ``missing_keys``; a tensor of another size or
+    dtype to ``error_msgs`` (``nn.Module._load_from_state_dict``'s protocol).
+    """
+    for key, dst in expected.items():
+        if key not in state_dict:
+            missing_keys.append(key)
+            continue
+        src = state_dict[key]
+        if src.numel() != dst.numel() or src.dtype != dst.dtype:
+            error_msgs.append(
+                f"{key}: expected {tuple(dst.shape)} {dst.dtype}, "
+                f"got {tuple(src.shape)} {src.dtype}"
+            )
+            continue
+        with torch.no_grad():
+            dst.copy_(src.reshape(dst.shape))
+
+
 class FusedEmbeddingBagCollection(nn.Module):
     """Table-batched embedding bags whose backward applies the sparse optimizer.
 
@@ -502,19 +528,7 @@ class FusedEmbeddingBagCollection(nn.Module):
         expected = {
             f"{prefix}weights.{t.name}": self._table_rows(i) for i, t in enumerate(self.tables)
         }
-        for key, dst in expected.items():
-            if key not in state_dict:
-                missing_keys.append(key)
-                continue
-            src = state_dict[key]
-            if src.numel() != dst.numel() or src.dtype != dst.dtype:
-                error_msgs.append(
-                    f"{key}: expected {tuple(dst.shape)} {dst.dtype}, "
-                    f"got {tuple(src.shape)} {src.dtype}"
-                )
-                continue
-            with torch.no_grad():
-                dst.copy_(src.reshape(dst.shape))
+        load_table_rows(state_dict, expected, missing_keys, error_msgs)
         rounding = state_dict.get(f"{prefix}rounding")  # optional: weights-only loads
         if rounding is not None:
             self.seed, self.iteration = (int(x) for x in rounding.tolist())
