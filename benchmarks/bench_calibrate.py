@@ -72,7 +72,14 @@ SSD_BLOCK = 4096
 RANKS_PER_NODE = 2
 POOLING = 8  # ids per bag of the per-rank lookup rates (per-id work, not per-bag output)
 #: The sharding groups whose routing is calibrated, each by one of its types.
-ROUTE_GROUPS = (("block", "table_wise"), ("row", "row_wise"), ("replicated", "data_parallel"))
+ROUTE_GROUPS = (
+    ("block", "table_wise"),
+    ("row", "row_wise"),
+    ("replicated", "data_parallel"),
+    # column-wise, one block per rank: on top of the block group's routing (fitted
+    # first), the blocks' row-wise optimizer state shares (cost.route_seconds, "split")
+    ("split", "column_wise"),
+)
 #: (pooling, dim) of the routing points: a base, 16x the ids, 8x the pooled values.
 ROUTE_POINTS = ((2, 32), (32, 32), (2, 256))
 ROUTE_BATCH = 2048  # global batch of the routing points
@@ -470,6 +477,10 @@ def fit_routing(rates: dict[str, float], topology: Any, batch: int) -> dict[str,
     intercept: dict[str, float] = {}
     for group, sharding in ROUTE_GROUPS:
         kind = ShardingType(sharding)
+        # the split points run column-wise tables: their block routing is charged at
+        # the block group's rates, fitted first
+        fitted = {k: v for k, v in out.items() if k.startswith("block_")}
+        with_block = replace(topology, rank=replace(topology.rank, **fitted))
         residual, units = [], []
         for pooling, dim in ROUTE_POINTS:
             tables = tuple(
@@ -482,15 +493,16 @@ def fit_routing(rates: dict[str, float], topology: Any, batch: int) -> dict[str,
                 )
                 for r in range(w)
             )
-            inputs = PlannerInputs(tables=tables, batch_size=batch, topology=topology)
+            inputs = PlannerInputs(tables=tables, batch_size=batch, topology=with_block)
             configs = [TableConfig(name=t.name, num_embeddings=t.rows, dim=t.dim) for t in tables]
-            predicted = predict(inputs, plan_by_type(configs, kind, world_size=w)).step_s
+            splan = plan_by_type(configs, kind, world_size=w)
+            predicted = predict(inputs, splan).step_s
             residual.append(rates[route_key(group, pooling, dim)] - predicted)
             # the points' ids and values in route_seconds' units: price 1 s per id, then
             # 1 s per value, on a topology with only that rate
             option = Option(
                 sharding=kind,
-                blocks=1 if group == "block" else w,
+                blocks={"block": 1, "split": len(splan.tables[0].shards)}.get(group, w),
                 tier=topology.fast_tier,
                 precision=tables[0].precision,
             )

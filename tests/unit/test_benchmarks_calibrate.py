@@ -27,6 +27,7 @@ RANK_KEYS = {
     "block_route_s_per_id", "block_route_s_per_value", "row_route_s_per_id",
     "row_route_s_per_value", "replicated_route_s_per_id", "replicated_route_s_per_value",
     "block_route_s_per_step", "row_route_s_per_step", "replicated_route_s_per_step",
+    "split_route_s_per_id", "split_route_s_per_value", "split_route_s_per_step",
 }  # fmt: skip
 MEASURED = ("host_memory", "ssd", "host_bandwidth", "ssd_bandwidth", "matmul_flops",
             "lookup_ids_per_s")  # fmt: skip
@@ -101,6 +102,9 @@ def test_routing_fit_recovers_planted_rates() -> None:
         "block_route_s_per_step": 0.0,  # the block group's is collective_latency_s's
         "row_route_s_per_step": 2e-3,
         "replicated_route_s_per_step": 1e-3,
+        "split_route_s_per_id": 7e-8,
+        "split_route_s_per_value": 3e-9,
+        "split_route_s_per_step": 5e-4,
     }
     routed = replace(bare, rank=replace(bare.rank, **planted))
     steps = {}

@@ -54,8 +54,8 @@ A DP table all-gathers, in backward, every rank's ids and pooled-output gradient
 (never a table-sized gradient): each rank sends its ``b (P I + d E)`` bytes to the
 ``W - 1`` others and receives theirs. Latency: per sharding group in use 4 collectives
 (the block group for TW/CW/TWCW, the row group for RW/TWRW: id counts, ids, outputs,
-output gradients), one more for the block group's row-wise optimizer state shares when
-it holds CW/TWCW tables, 3 for the replicated group (sizes, ids, gradients), and 1 for
+output gradients), one more (the ``split`` group) for the row-wise optimizer state shares
+of column-split CW/TWCW tables, 3 for the replicated group (sizes, ids, gradients), and 1 for
 the dense gradient.
 
 **Routing** (host-side work of a sharding group beyond the kernels and the link:
@@ -69,6 +69,10 @@ as ``rank.<group>_route_s_per_id`` and ``_per_value``): every rank, per table, f
     row (RW, TWRW):       ids = b P      values = b d k      (k partial sums per value)
     replicated (DP):      ids = b P k    values = b d k      (the global batch's ids and
                                                                output gradients, k = W)
+    split (CW, TWCW with k > 1 blocks and a row-wise optimizer, on top of block's):
+                          ids = b P k    values = b d        (each block's row-gradient
+                                                               shares: computed, exchanged,
+                                                               added to the row state)
 
 **Dense part** (the same on every rank)::
 
@@ -133,9 +137,10 @@ GROUP_OF = {
     ShardingType.TABLE_ROW_WISE: "row",
     ShardingType.DATA_PARALLEL: "replicated",
 }
-COLLECTIVES_PER_GROUP = {"block": 4, "row": 4, "replicated": 3, "block_rowwise_state": 1}
+#: ``split``: the column blocks of split tables sharing row-wise optimizer state.
+COLLECTIVES_PER_GROUP = {"block": 4, "row": 4, "replicated": 3, "split": 1}
 #: The groups with calibrated routing rates (``RankResources.route_rates``).
-ROUTE_GROUPS = ("block", "row", "replicated")
+ROUTE_GROUPS = ("block", "row", "replicated", "split")
 #: Optimizers whose per-row state the blocks of a column-split table share.
 ROWWISE_KINDS = (OptimizerKind.ROWWISE_ADAGRAD, OptimizerKind.ROWWISE_ADAM)
 
@@ -368,29 +373,32 @@ def uniform_cost(inputs: PlannerInputs, table: TableSpec, option: Option) -> Uni
 def route_seconds(inputs: PlannerInputs, table: TableSpec, option: Option) -> float:
     """Host-side routing seconds ``table`` stored as ``option`` costs every rank.
 
-    Formula in the module docstring (0 without calibrated routing rates).
+    Formula in the module docstring (0 without calibrated routing rates): the rates of
+    each group the table takes part in (``option_groups``).
     """
-    group = GROUP_OF[option.sharding]
-    per_id, per_value = inputs.topology.rank.route_rates(group)
-    if per_id == 0 and per_value == 0:
-        return 0.0
     b = inputs.batch_size / inputs.topology.world_size
     k = option.blocks
-    ids, values = b * table.pooling, b * table.dim
-    if group == "block":
-        ids *= k
-    elif group == "row":
-        values *= k
-    else:
-        ids, values = ids * k, values * k
-    return ids * per_id + values * per_value
+    total = 0.0
+    for group in sorted(option_groups(table, option)):
+        per_id, per_value = inputs.topology.rank.route_rates(group)
+        if per_id == 0 and per_value == 0:
+            continue
+        ids, values = b * table.pooling, b * table.dim
+        if group in ("block", "split"):
+            ids *= k
+        elif group == "row":
+            values *= k
+        else:
+            ids, values = ids * k, values * k
+        total += ids * per_id + values * per_value
+    return total
 
 
 def option_groups(table: TableSpec, option: Option) -> frozenset[str]:
     """The collective groups a table stored as ``option`` takes part in (module docstring)."""
     group = GROUP_OF[option.sharding]
     if option.sharding in _BLOCKS and option.blocks > 1 and table.optimizer in ROWWISE_KINDS:
-        return frozenset((group, "block_rowwise_state"))
+        return frozenset((group, "split"))
     return frozenset((group,))
 
 

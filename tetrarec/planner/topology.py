@@ -62,9 +62,11 @@ class RankResources:
     seconds a sharding group (``block``: TW/CW/TWCW, ``row``: RW/TWRW, ``replicated``:
     DP) spends on each id it routes and each pooled value it moves, beyond the kernels
     and the link (bucketizing, regrouping, copies, partial sums; units in
-    ``cost.route_seconds``); ``<group>_route_s_per_step`` is what the group costs per
-    step beyond ``collective_latency_s`` per collective (``cost.group_seconds``); 0
-    leaves them out.
+    ``cost.route_seconds``); ``split`` is what the column blocks of a split table
+    (CW/TWCW, more than one block) add with a row-wise optimizer: the rows' gradient
+    shares computed, exchanged and added to the row state before the update;
+    ``<group>_route_s_per_step`` is what the group costs per step beyond
+    ``collective_latency_s`` per collective (``cost.group_seconds``); 0 leaves them out.
 
     Raises:
         ValueError: naming a negative field, or a tier with capacity but no bandwidth.
@@ -87,6 +89,9 @@ class RankResources:
     block_route_s_per_step: float = 0.0
     row_route_s_per_step: float = 0.0
     replicated_route_s_per_step: float = 0.0
+    split_route_s_per_id: float = 0.0
+    split_route_s_per_value: float = 0.0
+    split_route_s_per_step: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -154,7 +154,7 @@ def test_column_blocks_of_a_rowwise_optimizer_pay_the_state_exchange() -> None:
     c = shard_cost(INPUTS, TABLE, cw, 1000, 2)
     # ids B P = 16; a 2-column block row 8 B, its state 4 B: (3*8 + 2*4 + 8) per row
     assert c.lookup_s == pytest.approx(_u(16) * 40 / 1e9)
-    assert option_groups(TABLE, cw) == {"block", "block_rowwise_state"}
+    assert option_groups(TABLE, cw) == {"block", "split"}
     assert latency_collectives(option_groups(TABLE, cw)) == 4 + 1 + 1
     sgd = TableSpec(name="s", rows=10, dim=4, features=("s",), optimizer=OptimizerKind.SGD)
     assert option_groups(sgd, cw) == {"block"}
@@ -230,6 +230,29 @@ def test_routing_is_charged_per_group_in_its_units() -> None:
     assert topo.rank.route_rates("row") == (100.0, 1000.0)
 
 
+def test_column_split_tables_pay_the_split_groups_routing_on_top() -> None:
+    """Catches the split group's rates (the row-gradient shares of column blocks under a
+    row-wise optimizer) left out, charged per block instead of per id sent to a block,
+    charged to a table with a single block, or to an optimizer without row-wise state."""
+    rates = {"block_route_s_per_id": 1.0, "split_route_s_per_id": 50.0,
+             "split_route_s_per_value": 7.0}  # fmt: skip
+    topo = replace(TOPO, rank=replace(TOPO.rank, **rates))
+    inputs = replace(INPUTS, topology=topo)
+    b, p, d = 4, 2, 4
+    cw = route_seconds(inputs, TABLE, _opt(ShardingType.COLUMN_WISE, blocks=2))
+    assert cw == pytest.approx(2 * b * p * 1.0 + 2 * b * p * 50.0 + b * d * 7.0)
+    one = route_seconds(inputs, TABLE, _opt(ShardingType.COLUMN_WISE, blocks=1))
+    assert one == pytest.approx(b * p * 1.0)
+    sgd = replace(TABLE, optimizer=OptimizerKind.SGD)
+    assert route_seconds(inputs, sgd, _opt(ShardingType.COLUMN_WISE, blocks=2)) == pytest.approx(
+        2 * b * p * 1.0
+    )
+    fixed = replace(topo, rank=replace(topo.rank, split_route_s_per_step=0.25))
+    assert group_seconds(fixed, {"block", "split"}) - group_seconds(fixed, {"block"}) == (
+        pytest.approx(fixed.collective_latency_s + 0.25)
+    )
+
+
 def test_loopback_copies_share_the_cores_with_compute() -> None:
     """Catches the intra-node bytes of a rank whose node-mates wait priced at the busy
     rate where ranks share cores (4 ranks on 2 cores: the rank that receives every
@@ -274,5 +297,5 @@ def test_groups_in_use_pay_their_fixed_cost_once_per_step() -> None:
     lat = TOPO.collective_latency_s
     assert group_seconds(topo, {"block"}) == pytest.approx(5 * lat)  # 4 + the dense one
     assert group_seconds(topo, {"block", "row"}) == pytest.approx(9 * lat + 0.5)
-    assert group_seconds(topo, {"row", "block_rowwise_state"}) == pytest.approx(6 * lat + 0.5)
+    assert group_seconds(topo, {"row", "split"}) == pytest.approx(6 * lat + 0.5)
     assert group_seconds(TOPO, {"row"}) == pytest.approx(5 * lat)
