@@ -5,7 +5,8 @@
    at least 16 columns that divide the dim; DP for tables of at most ``DP_MAX_BYTES``;
    TWRW and TWCW on several nodes), in every tier the topology has (device, host, SSD)
    and cached (rows in a tier, the hottest 1% or 5% again in the next faster one), at
-   every precision the table allows.
+   every precision the table allows; DP replicas only in the fast tier, or in the next
+   one with a cache in the fast tier.
 2. **Greedy placement**: tables largest first (weights + state at their preferred
    precision; ties by name). For each candidate, the ranks it would go to are those
    that keep the step fastest (TW and CW blocks: the ranks with the lowest resulting
@@ -212,7 +213,9 @@ def candidates(inputs: PlannerInputs, table: TableSpec) -> list[Option]:
         for p in table.precisions
         for s, k in kinds
         for t, c, f in places
-        if not (s is ShardingType.DATA_PARALLEL and t is not topo.fast_tier)
+        # a replica's rows sit in the fast tier, or in the next one with its hottest
+        # rows cached in the fast tier (each replica caches its own copy)
+        if not (s is ShardingType.DATA_PARALLEL and topo.fast_tier not in (t, c))
     ]
 
 

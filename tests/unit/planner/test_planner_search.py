@@ -200,7 +200,8 @@ def test_precisions_are_lowered_largest_first_only_to_keep_rows_off_the_ssd() ->
 
 def test_candidates_follow_the_world_and_the_tiers() -> None:
     """Catches node-local types offered on one node, DP offered for big tables, CW
-    blocks that do not divide the dim, or tiers the topology does not have."""
+    blocks that do not divide the dim, tiers the topology does not have, or a DP
+    replica offered outside the fast tier without a cache there (or never cached)."""
     small = TableSpec(name="s", rows=100, dim=64, features=("s",))
     big = TableSpec(name="b", rows=10_000_000, dim=48, features=("b",))
     one_node = _inputs(topology=_topology(nodes=1, local=4))
@@ -208,6 +209,9 @@ def test_candidates_follow_the_world_and_the_tiers() -> None:
     kinds = {o.sharding for o in candidates(one_node, small)}
     assert ShardingType.TABLE_ROW_WISE not in kinds
     assert ShardingType.DATA_PARALLEL in kinds
+    dp = {(o.tier, o.cache_tier) for o in candidates(one_node, small)
+          if o.sharding is ShardingType.DATA_PARALLEL}  # fmt: skip
+    assert dp == {(Tier.DEVICE, None), (Tier.HOST, Tier.DEVICE)}
     kinds2 = {o.sharding for o in candidates(two_nodes, small)}
     assert {ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE} <= kinds2
     big_opts = candidates(two_nodes, big)
