@@ -49,10 +49,9 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.insert(1, str(_HERE.parent))  # run from a checkout without installing
 from _harness import describe_run, kernel_summary, print_table, write_json  # noqa: E402
+from _routing import ROUTE_BATCH, fit_routing  # noqa: E402
 from bench_calibrate import (  # noqa: E402
-    ROUTE_BATCH,
     combine_rank_rates,
-    fit_routing,
     rank_rates,
     rates_topology,
 )

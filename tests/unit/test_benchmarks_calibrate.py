@@ -84,7 +84,7 @@ def test_routing_fit_recovers_planted_rates() -> None:
     fixed per-step cost in the slopes: steps made by the cost model itself with known
     routing rates plus a constant must give those rates back."""
     sys.path.insert(0, str(BENCH))
-    from bench_calibrate import ROUTE_GROUPS, ROUTE_POINTS, fit_routing, route_key
+    from _routing import ROUTE_GROUPS, ROUTE_POINTS, fit_routing, route_key
 
     from tetrarec.embedding import TableConfig
     from tetrarec.planner import AccessStats, PlannerInputs, TableSpec, Topology, predict
