@@ -61,6 +61,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from _cache_big import zipf_ids
 from _harness import cpu_summary, describe_run, print_table, write_json
 from _memory_limit import (
     METHODS,
@@ -70,7 +71,6 @@ from _memory_limit import (
     limit_method,
     run_limited,
 )
-from bench_cache import zipf_ids
 
 from tetrarec.cache.files import advise_random_
 
