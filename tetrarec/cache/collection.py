@@ -73,7 +73,7 @@ import torch
 from torch import nn
 
 from tetrarec.cache.config import CacheSpec
-from tetrarec.cache.files import map_to_files
+from tetrarec.cache.files import map_to_files, prefetch_rows
 from tetrarec.cache.policy import CachePolicy, hot_rows, plan_admission
 from tetrarec.cache.stats import CacheMemory, CacheStats
 from tetrarec.embedding import (
@@ -255,6 +255,8 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._means = tuple(t.pooling is PoolingMode.MEAN for t in self.tables)
         self._anchor = torch.empty(0, requires_grad=True)
         self._ssd_dir: Path | None = None
+        #: Pages of SSD tables asked for ahead of their reads (``files.prefetch_rows``).
+        self.prefetched_pages = 0
         fused = {
             "check_bounds": check_bounds,
             "deterministic": deterministic,
@@ -459,6 +461,11 @@ class CachedEmbeddingBagCollection(nn.Module):
             last_used=c.last_used,
             freq=c.freq,
         )
+        if self.placements[i] is Placement.SSD:
+            # every backing row this step reads or writes: the misses (admitted ones are
+            # read now, the others by the kernels) and the dirty victims' rows
+            dirty = plan.victims.masked_select(c.dirty.index_select(0, plan.victims))
+            self._prefetch(i, torch.cat([uniq.index_select(0, miss), c.slot_rows[dirty]]))
         if plan.victims.numel():
             self._evict(i, plan.victims)
         if plan.rows.numel():
@@ -468,6 +475,14 @@ class CachedEmbeddingBagCollection(nn.Module):
             c.last_used.index_fill_(0, slots.masked_select(slots >= 0), c.counters[0])
         c.counters[0] += 1
         return uniq, slots
+
+    def _prefetch(self, i: int, rows: torch.Tensor) -> None:
+        """Start reading ``rows``' pages of an SSD table (weights and state) at once."""
+        backing, k = self._backing(i)
+        pages = prefetch_rows(backing._table_rows(k), rows)
+        for state in backing._table_state(k).values():
+            pages += prefetch_rows(state, rows)
+        self.prefetched_pages += pages
 
     def flush(self) -> None:
         """Write every dirty cached row back (rounded copy) and copy cached state back.

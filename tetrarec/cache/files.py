@@ -17,6 +17,12 @@ window (``read_ahead_kb``: 128 KiB by default, 8 MiB on the development VM) of r
 nobody asked for. Measured (``benchmarks/results/2026-12-01-tiers.md``): 2.2 GB read
 from the disk per step for 8,200 missed 72-byte rows without it, 41 MiB with it, and
 about 3x the rows read per second.
+
+Before a batch's policy step reads and writes rows of an SSD table, ``prefetch_rows``
+asks the kernel for every one of their pages that is not resident, all at once
+(``mincore``, then ``madvise(MADV_WILLNEED)`` per run of missing pages): the reads are
+queued together and the device serves them in parallel, where page faults one row at a
+time would wait for each read in turn.
 """
 
 from __future__ import annotations
@@ -27,13 +33,38 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tetrarec.embedding import SparseOptimizerSpec
 from tetrarec.embedding.init import INIT_CHUNK_ROWS
 from tetrarec.kernels import FusedEmbeddingBagCollection
 
-__all__ = ["advise_random_", "map_to_files"]
+__all__ = ["advise_random_", "map_to_files", "prefetch_rows"]
+
+
+class _Libc:
+    """``madvise`` and ``mincore`` through ctypes (None where the platform lacks them)."""
+
+    def __init__(self) -> None:
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.willneed: int | None = getattr(mmap, "MADV_WILLNEED", None)
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.madvise = libc.madvise
+        self.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        self.mincore = getattr(libc, "mincore", None)
+        if self.mincore is not None:
+            self.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+_LIBC: _Libc | None = None
+
+
+def _libc() -> _Libc:
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = _Libc()
+    return _LIBC
 
 
 def advise_random_(t: torch.Tensor) -> None:
@@ -58,6 +89,48 @@ def advise_random_(t: torch.Tensor) -> None:
     if libc.madvise(start, length, advice) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"madvise(MADV_RANDOM) of a file map: {os.strerror(errno)}")
+
+
+def prefetch_rows(t: torch.Tensor, rows: torch.Tensor) -> int:
+    """Start reading the pages of ``t``'s ``rows`` that are not in memory; no wait.
+
+    Only advice: the data is unchanged whatever the kernel does with it, and a platform
+    without ``madvise`` / ``mincore`` gets nothing done.
+
+    Args:
+        t: a 2-D view ``(rows, width)`` of a file map (``_table_rows`` / ``_table_state``).
+        rows: row ids (int64, any order, repeats allowed).
+
+    Returns:
+        The number of pages asked for (0: every page was resident).
+
+    Raises:
+        OSError: the kernel refused ``mincore`` or ``madvise`` (its errno).
+    """
+    lib = _libc()
+    if lib.willneed is None or lib.mincore is None or rows.numel() == 0 or t.numel() == 0:
+        return 0
+    page = lib.page
+    row_bytes = t.stride(0) * t.element_size()
+    base = t.data_ptr()
+    first = base + rows.cpu().numpy().astype(np.int64) * row_bytes
+    pages = np.unique(np.concatenate([first // page, (first + row_bytes - 1) // page]))
+    lo, hi = int(pages[0]), int(pages[-1]) + 1
+    resident = np.zeros(hi - lo, dtype=np.uint8)
+    if lib.mincore(lo * page, (hi - lo) * page, resident.ctypes.data) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mincore of a file map: {os.strerror(errno)}")
+    missing = pages[(resident[pages - lo] & 1) == 0]
+    if missing.size == 0:
+        return 0
+    # one call per run of consecutive missing pages
+    breaks = np.flatnonzero(np.diff(missing) != 1) + 1
+    for run in np.split(missing, breaks):
+        start, length = int(run[0]) * page, int(run.size) * page
+        if lib.madvise(start, length, lib.willneed) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"madvise(MADV_WILLNEED) of a file map: {os.strerror(errno)}")
+    return int(missing.size)
 
 
 def map_to_files(

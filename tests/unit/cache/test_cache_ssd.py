@@ -146,3 +146,107 @@ def test_ssd_files_are_mapped_for_random_reads(tmp_path):
             flags[current] = parts[1:]
     assert set(flags) == files
     assert all("rr" in f for f in flags.values()), flags
+
+
+def _resident_pages(t: torch.Tensor) -> set[int]:
+    """Indices of ``t``'s pages in memory, from the page holding its first byte."""
+    import ctypes
+    import os
+
+    import numpy as np
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    start = t.data_ptr() // page * page
+    n = (t.data_ptr() + t.numel() * t.element_size() - start + page - 1) // page
+    vec = np.zeros(n, dtype=np.uint8)
+    assert libc.mincore(start, n * page, vec.ctypes.data) == 0
+    return set(np.flatnonzero(vec & 1).tolist())
+
+
+def _drop_pages(t: torch.Tensor, path: Path) -> None:
+    """Write ``t``'s file map out, unmap its pages from this process, drop them from the
+    page cache (a mapped page is never dropped)."""
+    import ctypes
+    import mmap
+    import os
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = t.data_ptr() // page * page
+    length = (t.data_ptr() + t.numel() * t.element_size() - start + page - 1) // page * page
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.msync(start, length, 4) == 0  # MS_SYNC (Linux)
+    assert libc.madvise(start, length, mmap.MADV_DONTNEED) == 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_prefetch_asks_for_exactly_the_missing_pages_of_the_rows(tmp_path):
+    """``prefetch_rows`` reads the pages of the rows asked for, and only those.
+
+    Catches: addresses computed from the wrong row width or base (other pages read, or
+    an error for an address outside the map), a row that straddles two pages counted
+    once, resident pages asked for again, advice never given (nothing becomes resident).
+    """
+    import os
+    import time
+
+    from tetrarec.cache.files import advise_random_, prefetch_rows
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    width = 1000  # bytes per row: rows straddle page boundaries
+    path = tmp_path / "rows.bin"
+    t = torch.from_file(str(path), shared=True, size=200 * width, dtype=torch.uint8)
+    advise_random_(t)
+    t.copy_(torch.arange(200 * width, dtype=torch.int64).remainder(251).to(torch.uint8))
+    before = t.clone()
+    _drop_pages(t, path)
+    if _resident_pages(t):
+        pytest.skip(f"{tmp_path} keeps its pages in memory (a tmpfs): nothing to prefetch")
+    rows = torch.tensor([3, 3, 150, 4])  # 3 and 4 share a page; 4 straddles two
+    want = set()
+    for r in (3, 4, 150):
+        want |= {r * width // page, (r * width + width - 1) // page}
+    view = t.view(200, width)
+    assert prefetch_rows(view, rows) == len(want)
+    deadline = time.monotonic() + 5
+    while not want <= _resident_pages(t) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    got = _resident_pages(t)
+    assert want <= got
+    assert got <= want, f"pages read that no row asked for: {sorted(got - want)}"
+    assert prefetch_rows(view, rows) == 0  # now resident: not asked for again
+    assert torch.equal(t, before)
+
+
+def test_ssd_tables_prefetch_their_missed_rows_and_train_as_in_memory(tmp_path):
+    """With its file pages dropped, an SSD table's policy step asks for its rows' pages
+    ahead of the reads, and training still equals the in-memory backing bitwise.
+
+    Catches: the prefetch never wired into the policy step (no page asked for), or one
+    that changes what is read or written (any bit off against ``cached``).
+    """
+    spec = CacheSpec(fraction=0.2, directory=str(tmp_path))
+    ssd = CachedEmbeddingBagCollection(TABLES, ADAGRAD, spec, placements={"a": "ssd"}, seed=3)
+    ram = CachedEmbeddingBagCollection(TABLES, ADAGRAD, spec, seed=3)
+    data = batches(6)
+    train(ssd, data[:3])
+    train(ram, data[:3])
+    backing, k = ssd._backing(0)
+    maps = [backing._table_rows(k), *backing._table_state(k).values()]
+    for t, path in zip(maps, ssd.ssd_files()):
+        _drop_pages(t, path)
+    if any(_resident_pages(t) for t in maps):
+        pytest.skip(f"{tmp_path} keeps its pages in memory (a tmpfs): nothing to prefetch")
+    before = ssd.prefetched_pages
+    train(ssd, data[3:])
+    train(ram, data[3:])
+    assert ssd.prefetched_pages > before
+    for key, value in ram.state_dict().items():
+        assert torch.equal(ssd.state_dict()[key], value), key
