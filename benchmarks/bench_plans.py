@@ -18,6 +18,10 @@ the cost model (``tetrarec.planner.predict``) on a topology calibrated in the sa
    starting at the next plan (so that a burst of load from elsewhere, and the place in
    the round, fall on all alike); a plan's step is the slowest rank's median.
 
+With ``--repeats N`` the plans are made once (on the first calibration), then steps 1 and
+3 run N times: each plan's predicted and measured step are the medians over the
+repeats, and each repeat's own rank correlation is reported beside the pooled one.
+
 Reported per world size: predicted and measured step of every plan, the Spearman rank
 correlation, the mean absolute error in percent, the planner's plan against the fastest
 measured, and the ratios of the planner's plan to (a) table-wise round-robin, (b) row-wise
@@ -27,8 +31,10 @@ and (c) TorchRec's choice.
     python benchmarks/bench_plans.py --smoke          # tiny, for the smoke test
 
 JSON: ``{"env", "config", "results": [{"world_size", "plan", "predicted_ms",
-"measured_ms", ...}], "summary": [{"world_size", "spearman", "mape_pct",
-"planner_vs_fastest", "planner_vs_tw_round_robin", ...}]}``.
+"measured_ms", "predicted_ms_per_repeat", "measured_ms_per_repeat", ...}], "summary":
+[{"world_size", "spearman", "spearman_per_repeat" (with repeats), "mape_pct",
+"planner_vs_fastest", "planner_vs_tw_round_robin", ...}]}``; ``config.calibration``
+holds, per world size, each repeat's rates and topology.
 """
 
 from __future__ import annotations
@@ -457,6 +463,18 @@ def summarize(world: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
     if "torchrec" in by:
         out["planner_vs_torchrec"] = by["torchrec"] / ours
+    repeats = len(rows[0].get("measured_ms_per_repeat", []))
+    if repeats > 1:
+        out["spearman_per_repeat"] = [
+            round(
+                spearman(
+                    [r["predicted_ms_per_repeat"][k] for r in rows],
+                    [r["measured_ms_per_repeat"][k] for r in rows],
+                ),
+                3,
+            )
+            for k in range(repeats)
+        ]
     return out
 
 
@@ -469,6 +487,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=2048, help="global batch")
     p.add_argument("--steps", type=int, default=20, help="timed steps per plan (in turns)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="calibrate and time every plan this many times; each plan's predicted and "
+        "measured step are the medians over the repeats",
+    )
     p.add_argument("--cores", type=int, default=os.cpu_count() or 2)
     p.add_argument(
         "--torchrec",
@@ -500,41 +525,58 @@ def main(argv: list[str] | None = None) -> int:
     topologies = {}
     kernels: dict[str, Any] = {}
     for world in worlds:
-        print(f"# {world} ranks: calibrating", file=sys.stderr, flush=True)
-        topo, rates = calibrated_topology(cfg, world)
-        topologies[world] = {"rates": rates, "topology": topo.describe()}
-        inputs = planner_inputs(cfg, topo)
-        plans = hand_plans(cfg, world)
-        plans["planner"], report = plan(inputs)
-        print(report.describe(), file=sys.stderr)
-        if args.torchrec == "auto" and not args.smoke:
-            trec = torchrec_plan(cfg, world, stats)
-            if isinstance(trec, ShardingPlan):
-                plans["torchrec"] = trec
-            else:
-                print(f"# torchrec plan skipped: {trec}", file=sys.stderr)
-        print(f"# {world} ranks: timing {len(plans)} plans", file=sys.stderr, flush=True)
-        measured = measured_steps(cfg, world, plans)
-        kernels = {"kernels": measured["kernels"]}
+        plans: dict[str, ShardingPlan] = {}
+        runs: list[dict[str, Any]] = []  # per repeat: predictions and measurements
+        for rep in range(args.repeats):
+            tag = f" (repeat {rep + 1} of {args.repeats})" if args.repeats > 1 else ""
+            print(f"# {world} ranks: calibrating{tag}", file=sys.stderr, flush=True)
+            topo, rates = calibrated_topology(cfg, world)
+            inputs = planner_inputs(cfg, topo)
+            if not plans:  # the plans are made once, on the first calibration
+                plans = hand_plans(cfg, world)
+                plans["planner"], report = plan(inputs)
+                print(report.describe(), file=sys.stderr)
+                if args.torchrec == "auto" and not args.smoke:
+                    trec = torchrec_plan(cfg, world, stats)
+                    if isinstance(trec, ShardingPlan):
+                        plans["torchrec"] = trec
+                    else:
+                        print(f"# torchrec plan skipped: {trec}", file=sys.stderr)
+            print(f"# {world} ranks: timing {len(plans)} plans{tag}", file=sys.stderr, flush=True)
+            measured = measured_steps(cfg, world, plans)
+            kernels = {"kernels": measured["kernels"]}
+            runs.append(
+                {
+                    "rates": rates,
+                    "topology": topo.describe(),
+                    "predicted": {name: predict(inputs, p) for name, p in plans.items()},
+                    "measured": measured,
+                }
+            )
+        topologies[world] = [{"rates": r["rates"], "topology": r["topology"]} for r in runs]
         rows = []
         for name, p in plans.items():
-            rep = predict(inputs, p)
-            slowest = max(rep.ranks, key=lambda r: r.step_s)
+            reps = [r["predicted"][name] for r in runs]
+            slowest = [max(rep.ranks, key=lambda r: r.step_s) for rep in reps]
+            predicted_ms = statistics.median(rep.step_s for rep in reps) * 1e3
+            measured_ms = statistics.median(r["measured"]["ms"][name] for r in runs)
             rows.append(
                 {
                     "impl": "tetrarec",
-                    "kernels": measured["kernels"]["kernels"],
+                    "kernels": runs[0]["measured"]["kernels"]["kernels"],
                     "world_size": world,
                     "plan": name,
                     "types": ",".join(sorted({t.sharding.value for t in p})),
-                    "predicted_ms": rep.step_s * 1e3,
-                    "measured_ms": measured["ms"][name],
-                    "error_pct": 100 * (rep.step_s * 1e3 / measured["ms"][name] - 1),
-                    "pred_lookup_ms": slowest.lookup_s * 1e3,
-                    "pred_comm_ms": slowest.comm_s * 1e3,
-                    "pred_dense_ms": slowest.dense_s * 1e3,
-                    "collectives": measured["comm"][name]["calls"],
-                    "max_mb_sent": measured["comm"][name]["bytes_sent"] / 1e6,
+                    "predicted_ms": predicted_ms,
+                    "measured_ms": measured_ms,
+                    "error_pct": 100 * (predicted_ms / measured_ms - 1),
+                    "pred_lookup_ms": statistics.median(s.lookup_s for s in slowest) * 1e3,
+                    "pred_comm_ms": statistics.median(s.comm_s for s in slowest) * 1e3,
+                    "pred_dense_ms": statistics.median(s.dense_s for s in slowest) * 1e3,
+                    "collectives": runs[0]["measured"]["comm"][name]["calls"],
+                    "max_mb_sent": runs[0]["measured"]["comm"][name]["bytes_sent"] / 1e6,
+                    "predicted_ms_per_repeat": [r["predicted"][name].step_s * 1e3 for r in runs],
+                    "measured_ms_per_repeat": [r["measured"]["ms"][name] for r in runs],
                     "plan_json": p.to_dict(),
                 }
             )
@@ -549,8 +591,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print_table(
         summary,
-        ["world_size", "plans", "spearman", "mape_pct", "fastest", "planner_vs_fastest",
-         "planner_vs_tw_round_robin", "planner_vs_row_wise", "planner_vs_torchrec"],
+        ["world_size", "plans", "spearman", "spearman_per_repeat", "mape_pct", "fastest",
+         "planner_vs_fastest", "planner_vs_tw_round_robin", "planner_vs_row_wise",
+         "planner_vs_torchrec"],
     )  # fmt: skip
     config = asdict(cfg) | {"world_sizes": worlds, "calibration": topologies}
     write_json(args.json, config, results, kernels=kernels, summary=summary)
