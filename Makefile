@@ -50,6 +50,11 @@ MUTMUT_NAMES ?=
 CPP_MUTANTS ?=
 mutants: $(VENV)/.stamp-test
 	$(PY) -m pip install -q -e ".[mutation]"
+	@# Build the kernels into the mutants' cache first (the build is keyed by the sources'
+	@# content, which mutmut never changes): a first build inside the stats run takes
+	@# minutes and trips the first kernel test's timeout, and mutmut then gives up.
+	XDG_CACHE_HOME=$(CURDIR)/mutants/xdg-cache TETRAREC_KERNELS=compiled $(PY) -c \
+	  "from tetrarec.kernels._build import compiled_cpu_kernels; compiled_cpu_kernels()"
 	XDG_CACHE_HOME=$(CURDIR)/mutants/xdg-cache $(VENV)/bin/mutmut run $(MUTMUT_NAMES); \
 	$(PY) mutation/mutmut_score.py --mutmut $(VENV)/bin/mutmut; py=$$?; \
 	$(PY) mutation/cpp_mutants.py $(CPP_MUTANTS); cpp=$$?; \
