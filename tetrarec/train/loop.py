@@ -247,6 +247,10 @@ class _Run:
         self.device = _run_device(config.train, launch)
         if launch.rank == 0:
             logger.info("training on %s", self.device)
+        if self.device.type == "cuda":
+            # Work torch places on "the current GPU" (cuBLAS handles, generators) goes
+            # to this process's GPU, not GPU 0.
+            torch.cuda.set_device(self.device)
         if self.device.type == "cuda" and config.train.deterministic:
             # cuBLAS is deterministic only with a fixed workspace, read when its first
             # handle is made (torch's deterministic mode raises otherwise): set it before
