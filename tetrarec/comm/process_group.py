@@ -92,16 +92,16 @@ def init_from_env(info: LaunchInfo, *, device: torch.device, timeout_s: float) -
     if not info.distributed:
         return Communicator(None, rank=0, world_size=1, timeout=timeout, device=device)
     backend = backend_for(device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timeout)
-    joined = str(dist.get_backend())  # "gloo", "nccl", or "cpu:gloo,cuda:nccl"
-    if backend not in joined:
+    joined = joined_backend()  # "gloo", "nccl", "cpu:gloo,cuda:nccl", or None
+    if joined is not None and backend not in joined:
         raise ValueError(
             f"this process already joined a {joined} process group, but its device {device} "
             f"needs {backend} (NCCL for CUDA, gloo for the CPU): set train.device to match"
         )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if joined is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
     return Communicator(
         dist.group.WORLD,
         rank=dist.get_rank(),

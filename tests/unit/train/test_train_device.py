@@ -17,10 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from tetrarec.comm import LaunchInfo, init_from_env
 from tetrarec.config import DeviceKind, RunConfig, TrainConfig
 from tetrarec.train import build_parts, evaluate_checkpoint, latest_checkpoint, read_checkpoint
 from tetrarec.train import train as run_training
+from tetrarec.train.loop import _run_device
 
 TINY = [
     "data.source=synthetic",
@@ -93,6 +96,26 @@ def test_resolution_with_cuda_follows_the_local_rank(cuda_inventory) -> None:
     assert TrainConfig(device=DeviceKind.CPU).resolve_device(1) == torch.device("cpu")
     with pytest.raises(ValueError, match=r"local rank 2 has no GPU of its own \(2 visible\)"):
         TrainConfig(device=DeviceKind.AUTO).resolve_device(2)
+
+
+def test_under_a_gloo_group_the_caller_joined_auto_trains_on_the_cpu(tmp_path, cuda_inventory):
+    """Bugs caught: ``auto`` picking a GPU inside a gloo group (the test harness's, on a GPU
+    machine): its all-to-alls cannot move CUDA tensors; an explicit ``cuda`` joining that
+    group anyway instead of naming the mismatch."""
+    cuda_inventory(1)
+    launch = LaunchInfo(rank=0, world_size=2, local_rank=0, local_world_size=2)
+    store = dist.FileStore(str(tmp_path / "store"), 1)  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        assert _run_device(TrainConfig(), launch) == torch.device("cpu")
+        cuda = TrainConfig(device=DeviceKind.CUDA)
+        assert _run_device(cuda, launch) == torch.device("cuda", 0)
+        with pytest.raises(ValueError, match=r"already joined a gloo process group.*needs nccl"):
+            init_from_env(launch, device=torch.device("cuda", 0), timeout_s=10)
+    finally:
+        dist.destroy_process_group()
+    # Without a group of the caller's, auto takes the GPU.
+    assert _run_device(TrainConfig(), launch) == torch.device("cuda", 0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
