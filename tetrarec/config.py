@@ -59,6 +59,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import torch
+
 from tetrarec.cache import CachePolicy, CacheSpec
 from tetrarec.data.config import DataConfig
 from tetrarec.embedding import SparseOptimizerSpec
@@ -74,6 +76,7 @@ __all__ = [
     "CacheConfig",
     "DecayKind",
     "DenseOptimizerKind",
+    "DeviceKind",
     "EmbeddingKind",
     "ModelConfig",
     "OptimConfig",
@@ -300,6 +303,14 @@ class OptimConfig:
 DEFAULT_STEPS = 1000  # train.steps when neither steps nor epochs is set
 
 
+class DeviceKind(enum.Enum):
+    """Where a run trains (``train.device``); resolved once by ``TrainConfig.resolve_device``."""
+
+    AUTO = "auto"  # cuda:LOCAL_RANK when torch sees a CUDA device, else the CPU
+    CPU = "cpu"
+    CUDA = "cuda"  # cuda:LOCAL_RANK; an error where torch sees no CUDA device
+
+
 class BestMetric(enum.Enum):
     """The metric ``train.keep_best`` ranks evaluations by."""
 
@@ -338,6 +349,11 @@ class TrainConfig:
         early_stop_patience: stop once this many consecutive evaluations have not
             improved on the best (0: never). Needs ``keep_best`` and ``eval_every > 0``.
         seed: seeds model init, data order, dropout and every RNG.
+        device: ``auto`` (``cuda:LOCAL_RANK`` where torch sees a CUDA device, else the
+            CPU), ``cpu`` or ``cuda`` (``cuda:LOCAL_RANK``; an error without CUDA). The
+            model, every batch and the evaluation run there; a sharded run communicates
+            with NCCL on CUDA and gloo on the CPU. Checkpoints hold CPU tensors either
+            way, so a run trained on one device resumes or evaluates on another.
         deterministic: run under ``torch.use_deterministic_algorithms(True)``.
         threads: torch intra-op threads (0: leave torch's default).
         log_every: log the loss every this many steps.
@@ -359,6 +375,7 @@ class TrainConfig:
     keep_best: BestMetric | None = None
     early_stop_patience: int = 0
     seed: int = 0
+    device: DeviceKind = DeviceKind.AUTO
     deterministic: bool = False
     threads: int = 0
     log_every: int = 100
@@ -391,6 +408,46 @@ class TrainConfig:
                 f"train.eval_every > 0 (got {self.eval_every}): it counts evaluations that "
                 "did not improve the kept metric"
             )
+
+    def resolve_device(self, local_rank: int = 0) -> torch.device:
+        """The device this process trains on, from ``device`` and its launch's local rank.
+
+        Called once when a run starts (never in a step). Checking CUDA here, not when
+        the config is read, lets a machine without CUDA still read, plan and evaluate a
+        config written for a GPU run (``tetrarec eval --set train.device=cpu``).
+
+        Args:
+            local_rank: this process's rank within its node (``LaunchInfo.local_rank``,
+                torchrun's ``LOCAL_RANK``; 0 for one process): its GPU.
+
+        Returns:
+            ``cpu``, or ``cuda:<local_rank>``.
+
+        Raises:
+            ValueError: for ``device = "cuda"`` where torch sees no CUDA device, or a
+                local rank without a GPU of its own.
+        """
+        if self.device is DeviceKind.CPU:
+            return torch.device("cpu")
+        available = torch.cuda.is_available()
+        if self.device is DeviceKind.AUTO and not available:
+            return torch.device("cpu")
+        if not available:
+            build = torch.version.cuda or "none (a CPU-only build)"
+            raise ValueError(
+                "train.device = 'cuda' but torch.cuda.is_available() is false here "
+                f"(torch {torch.__version__}, CUDA build: {build}): use train.device = "
+                "'cpu' or 'auto' (valid: auto, cpu, cuda), or run on a machine with a "
+                "GPU and a CUDA build of torch"
+            )
+        count = torch.cuda.device_count()
+        if not 0 <= local_rank < count:
+            raise ValueError(
+                f"train.device = {self.device.value!r}: local rank {local_rank} has no GPU of "
+                f"its own ({count} visible): launch at most {count} processes per node "
+                "(torchrun --nproc-per-node), or set train.device = 'cpu'"
+            )
+        return torch.device("cuda", local_rank)
 
     def resolve_steps(self, train_rows: int, batch_size: int) -> int:
         """The run's total steps, for ``train_rows`` training rows in global batches.

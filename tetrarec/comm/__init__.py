@@ -7,6 +7,7 @@ from tetrarec.comm.process_group import (
     destroy,
     init_from_env,
     is_joined,
+    joined_backend,
     launch_info,
     second_group,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "destroy",
     "init_from_env",
     "is_joined",
+    "joined_backend",
     "launch_info",
     "second_group",
 ]

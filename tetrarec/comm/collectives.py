@@ -10,7 +10,12 @@ Every collective of a step goes through one ``Communicator``, which
 - waits with an explicit timeout and turns a failed or timed-out collective into a
   ``CollectiveError`` that names the rank and the collective;
 - works with world size 1 (no process group: every collective is a local copy), so a
-  sharded layout also runs, unchanged, in one process.
+  sharded layout also runs, unchanged, in one process; with a process group, even of
+  one rank, every collective goes through it (a one-GPU NCCL group runs NCCL's code);
+- moves what it sends to its ``device`` when it lives elsewhere (NCCL takes CUDA
+  tensors only, gloo CPU ones) and hands the result back on the caller's device, so a
+  small host-side tensor (split sizes, a flag, JSON bytes) can be passed as is; large
+  payloads (pooled rows, ids) are already on the device, and nothing is copied.
 
 Worked examples, two ranks (R0, R1); rows are along dim 0 (each letter is one row):
 
@@ -79,6 +84,8 @@ class Communicator:
         rank: this process's rank in ``group``.
         world_size: ranks in ``group``.
         timeout: how long a collective may take before it fails with ``CollectiveError``.
+        device: where the group's collectives run (``cuda:<local rank>`` for NCCL, the
+            CPU for gloo and for one process): what is sent lives there on the wire.
 
     Raises:
         ValueError: for a bad rank or a missing group with ``world_size > 1``.
@@ -91,6 +98,7 @@ class Communicator:
         rank: int,
         world_size: int,
         timeout: datetime.timedelta,
+        device: torch.device | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
@@ -100,6 +108,7 @@ class Communicator:
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
+        self.device = torch.device("cpu") if device is None else device
         self.stats: dict[str, CollectiveStats] = {}
         self._warned: set[str] = set()
 
@@ -112,6 +121,15 @@ class Communicator:
     def backend(self) -> str:
         """The process group's backend (``"gloo"``, ``"nccl"``), or ``"local"``."""
         return "local" if self.group is None else str(dist.get_backend(self.group))
+
+    @property
+    def local(self) -> bool:
+        """True without a process group: every collective is a local copy."""
+        return self.group is None
+
+    def _wire(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` on the group's device (``x`` itself when it is there already)."""
+        return x if self.local else x.to(self.device)
 
     # -- bookkeeping ------------------------------------------------------------------------
 
@@ -151,10 +169,11 @@ class Communicator:
     def _start_all_to_all(
         self, x: torch.Tensor, send: list[int], recv: list[int], label: str
     ) -> tuple[torch.Tensor, Any]:
-        """Start the collective; return (output buffer, work or None)."""
+        """Start the collective; return (output buffer on the group's device, work or None)."""
+        x = self._wire(x)
         out = x.new_empty((sum(recv), *x.shape[1:]))
         self._count(label, _rows_bytes(x, sum(send) - send[self.rank]))
-        if self.world_size == 1:
+        if self.local:
             out.copy_(x)
             return out, None
         work = dist.all_to_all_single(
@@ -195,15 +214,16 @@ class Communicator:
                 f"{x.shape[0]} rows"
             )
         if x.requires_grad and torch.is_grad_enabled():
-            pending = _Pending(self, send, recv, label)
+            pending = _Pending(self, send, recv, label, x.device)
             dummy = _AllToAllStart.apply(pending, x)  # type: ignore[no-untyped-call]  # torch leaves apply unannotated
             return Handle(lambda: _AllToAllWait.apply(pending, dummy))  # type: ignore[no-untyped-call]
         out, work = self._start_all_to_all(x, send, recv, label)
+        home = x.device
 
         def finish() -> torch.Tensor:
             if work is not None:
                 self._wait(work, label)
-            return out
+            return out.to(home)
 
         return Handle(finish)
 
@@ -270,40 +290,46 @@ class Communicator:
                 f"rank {self.rank}: {label}: x has {x.shape[0]} rows, sizes say {sz[self.rank]}"
             )
         self._count(label, _rows_bytes(x, x.shape[0] * (self.world_size - 1)))
-        if self.world_size == 1:
+        if self.local:
             return Handle.done([x.detach().clone()])
+        home = x.device
         rows = max(sz)
-        padded = x.detach().new_zeros((rows, *x.shape[1:]))
+        padded = self._wire(x.detach()).new_zeros((rows, *x.shape[1:]))
         padded[: x.shape[0]] = x.detach()
         outs = [torch.empty_like(padded) for _ in range(self.world_size)]
         work = dist.all_gather(outs, padded, group=self.group, async_op=True)
 
         def finish() -> list[torch.Tensor]:
             self._wait(work, label)
-            return [o[:n] for o, n in zip(outs, sz)]
+            return [o[:n].to(home) for o, n in zip(outs, sz)]
 
         return Handle(finish)
 
     def all_reduce(self, x: torch.Tensor, *, label: str) -> Handle[torch.Tensor]:
         """The elementwise sum of ``x`` over all ranks (a new tensor; no autograd)."""
-        out = x.detach().clone()
+        out = self._wire(x.detach()).clone()
         self._count(label, out.numel() * out.element_size() * (self.world_size > 1))
-        if self.world_size == 1:
+        if self.local:
             return Handle.done(out)
+        home = x.device
         work = dist.all_reduce(out, group=self.group, async_op=True)
 
         def finish() -> torch.Tensor:
             self._wait(work, label)
-            return out
+            return out.to(home)
 
         return Handle(finish)
 
     def all_reduce_future(
         self, x: torch.Tensor, *, label: str
     ) -> torch.futures.Future[torch.Tensor]:
-        """Sum ``x`` over all ranks, in place; a future of it (a DDP gradient hook's form)."""
+        """Sum ``x`` over all ranks, in place; a future of it (a DDP gradient hook's form).
+
+        ``x`` must live on the group's device (DDP's buckets do: they sit beside the
+        parameters), since it is reduced in place.
+        """
         self._count(label, x.numel() * x.element_size() * (self.world_size > 1))
-        if self.world_size == 1:
+        if self.local:
             fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             fut.set_result(x)
             return fut
@@ -317,23 +343,29 @@ class Communicator:
         Used before the first step to check that all ranks agree (plan, tables, world
         size); JSON, never pickle, crosses the wire.
         """
-        data = torch.tensor(list(json.dumps(value, sort_keys=True).encode()), dtype=torch.uint8)
+        raw = list(json.dumps(value, sort_keys=True).encode())
+        data = torch.tensor(raw, dtype=torch.uint8, device=self.device)
         sizes = self.all_gather_v(
-            torch.tensor([data.numel()]), sizes=[1] * self.world_size, label=label
+            torch.tensor([data.numel()], device=self.device),
+            sizes=[1] * self.world_size,
+            label=label,
         ).wait()
         blobs = self.all_gather_v(data, sizes=[int(s[0]) for s in sizes], label=label).wait()
         return [json.loads(bytes(b.tolist()).decode()) for b in blobs]
 
     def barrier(self, *, label: str = "barrier") -> None:
         """Wait until every rank gets here (with the timeout)."""
-        self.all_reduce(torch.zeros(1), label=label).wait()
+        self.all_reduce(torch.zeros(1, device=self.device), label=label).wait()
 
 
 class _Pending:
     """An autograd-aware all-to-all in flight: forward and backward buffers and work."""
 
-    def __init__(self, comm: Communicator, send: list[int], recv: list[int], label: str) -> None:
+    def __init__(
+        self, comm: Communicator, send: list[int], recv: list[int], label: str, home: torch.device
+    ) -> None:
         self.comm, self.send, self.recv, self.label = comm, send, recv, label
+        self.home = home  # the caller's device: results and gradients are handed back there
         self.out: torch.Tensor | None = None
         self.work: Any = None
         self.grad_in: torch.Tensor | None = None
@@ -359,7 +391,7 @@ class _AllToAllStart(torch.autograd.Function):
             p.grad_work = None
         assert p.grad_in is not None
         grad, p.grad_in = p.grad_in, None
-        return None, grad
+        return None, grad.to(p.home)
 
 
 class _AllToAllWait(torch.autograd.Function):
@@ -376,7 +408,7 @@ class _AllToAllWait(torch.autograd.Function):
         ctx.pending = pending
         assert pending.out is not None
         out, pending.out = pending.out, None
-        return out
+        return out.to(pending.home)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[None, torch.Tensor]:

@@ -2,7 +2,9 @@
 
 ``torchrun --nproc-per-node N -m tetrarec train ...`` sets ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``; ``launch_info``
-reads them once, at start. The backend follows the device: gloo for CPU, NCCL for CUDA.
+reads them once, at start. The backend follows the device: gloo for CPU, NCCL for CUDA
+(``backend_for``); each rank's device is ``cuda:LOCAL_RANK`` on a GPU node
+(``TrainConfig.resolve_device``).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from tetrarec.comm.collectives import Communicator
 
 __all__ = [
     "LaunchInfo",
+    "backend_for",
     "destroy",
     "init_from_env",
     "is_joined",
+    "joined_backend",
     "launch_info",
     "second_group",
 ]
@@ -68,19 +72,42 @@ def launch_info(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     return info
 
 
+def backend_for(device: torch.device) -> str:
+    """The collectives backend of ``device``: ``"nccl"`` for CUDA, ``"gloo"`` otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def init_from_env(info: LaunchInfo, *, device: torch.device, timeout_s: float) -> Communicator:
     """Join the launch's process group (gloo on CPU, NCCL on CUDA) with ``timeout_s``.
 
-    With one rank no group is created.
+    With one rank no group is created. On CUDA the process first makes ``device`` its
+    current GPU (``torch.cuda.set_device``), so that NCCL binds each rank to its own
+    GPU (``cuda:LOCAL_RANK``) and not every rank to GPU 0. A group the caller already
+    joined is used as it is, and must be of the device's backend.
+
+    Raises:
+        ValueError: if an existing group's backend does not fit ``device``.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     if not info.distributed:
-        return Communicator(None, rank=0, world_size=1, timeout=timeout)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if not dist.is_initialized():
+        return Communicator(None, rank=0, world_size=1, timeout=timeout, device=device)
+    backend = backend_for(device)
+    joined = joined_backend()  # "gloo", "nccl", "cpu:gloo,cuda:nccl", or None
+    if joined is not None and backend not in joined:
+        raise ValueError(
+            f"this process already joined a {joined} process group, but its device {device} "
+            f"needs {backend} (NCCL for CUDA, gloo for the CPU): set train.device to match"
+        )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if joined is None:
         dist.init_process_group(backend=backend, timeout=timeout)
     return Communicator(
-        dist.group.WORLD, rank=dist.get_rank(), world_size=dist.get_world_size(), timeout=timeout
+        dist.group.WORLD,
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        timeout=timeout,
+        device=device,
     )
 
 
@@ -88,17 +115,25 @@ def second_group(comm: Communicator) -> Communicator:
     """A new process group over the same ranks (every rank must call it, in step).
 
     Collectives of two groups never wait on each other's order: the dense layers'
-    gradient all-reduce runs on its own group beside the embedding all-to-alls.
+    gradient all-reduce runs on its own group beside the embedding all-to-alls. It has
+    ``comm``'s backend and device.
     """
-    if comm.world_size == 1:
-        return Communicator(None, rank=0, world_size=1, timeout=comm.timeout)
+    if comm.local:
+        return Communicator(None, rank=0, world_size=1, timeout=comm.timeout, device=comm.device)
     group = dist.new_group(ranks=list(range(comm.world_size)), timeout=comm.timeout)
-    return Communicator(group, rank=comm.rank, world_size=comm.world_size, timeout=comm.timeout)
+    return Communicator(
+        group, rank=comm.rank, world_size=comm.world_size, timeout=comm.timeout, device=comm.device
+    )
 
 
 def is_joined() -> bool:
     """True when this process is already in a process group (its caller's to leave)."""
     return dist.is_initialized()
+
+
+def joined_backend() -> str | None:
+    """The backend of the process group this process is in (``"gloo"``, ``"nccl"``), or ``None``."""
+    return str(dist.get_backend()) if dist.is_initialized() else None
 
 
 def destroy() -> None:

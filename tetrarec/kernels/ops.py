@@ -410,9 +410,14 @@ def copy_row_runs(src: torch.Tensor, dst: torch.Tensor, runs: torch.Tensor, rows
 def _copy_row_runs_portable(
     src: torch.Tensor, dst: torch.Tensor, runs: torch.Tensor, rows: int
 ) -> None:
+    # as_strided's offset counts from the start of the storage, not of the tensor: a
+    # view that starts inside its storage (a slice of a larger buffer) adds its own.
+    s0, d0 = src.storage_offset(), dst.storage_offset()
     for so, ss, do, ds, n in runs.tolist():
         if n and rows:
-            dst.as_strided((rows, n), (ds, 1), do).copy_(src.as_strided((rows, n), (ss, 1), so))
+            dst.as_strided((rows, n), (ds, 1), d0 + do).copy_(
+                src.as_strided((rows, n), (ss, 1), s0 + so)
+            )
 
 
 @copy_row_runs.register_kernel("cpu")

@@ -47,6 +47,17 @@ def table_view(
     return weights[offset : offset + rows * width].view(rows, width)
 
 
+def _feature_starts(offsets: torch.Tensor, batch: int, num_features: int) -> list[int]:
+    """``(F+1,)`` first value of each feature (key-major ``offsets`` of ``F * batch`` bags).
+
+    A batch of no samples (a rank's share of a short last batch) has no values at all.
+    """
+    if batch == 0:
+        return [0] * (num_features + 1)
+    starts: list[int] = offsets[::batch].tolist()
+    return starts
+
+
 def _bags(offsets: torch.Tensor, f: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Bag lengths ``(B,)`` of feature ``f`` and the bag of each of its ids ``(n,)``."""
     seg = offsets[f * batch : (f + 1) * batch + 1]
@@ -75,7 +86,7 @@ def pooled_forward(
     offsets = offsets_from_lengths(lengths.long())
     w_off, dims, rows, _, feat_table, feat_cols, feat_mean = (m.tolist() for m in meta[:7])
     batch = out.shape[0]
-    starts = offsets[::batch].tolist()  # (F+1,) first value of each feature
+    starts = _feature_starts(offsets, batch, len(feat_table))  # (F+1,)
     for f, t in enumerate(feat_table):
         if t < 0:
             continue
@@ -157,7 +168,7 @@ def _per_id_grads(
     """Ids ``(n,)`` of table ``t`` over its features and their gradients ``(n, D)``."""
     w_off, dims, rows, _, feat_table, feat_cols, feat_mean = meta[:7]
     batch, d = grad_out.shape[0], dims[t]
-    starts = offsets[::batch].tolist()
+    starts = _feature_starts(offsets, batch, len(feat_table))
     all_ids, all_grads = [], []
     for f in (f for f, tt in enumerate(feat_table) if tt == t):
         s, e = starts[f], starts[f + 1]
@@ -266,7 +277,7 @@ def _check_ids_before_update(
         RuntimeError: naming the feature (its index), the id and the table's rows.
     """
     rows, feat_table = meta[2], meta[4]
-    starts = offsets[::batch].tolist()  # (F+1,) first value of each feature
+    starts = _feature_starts(offsets, batch, len(feat_table))  # (F+1,)
     for f, t in enumerate(feat_table):
         ids = values[starts[f] : starts[f + 1]]
         if t < 0 or not ids.numel():

@@ -149,6 +149,7 @@ def route_features(
     w = comm.world_size
     ids_sent = [int(o.values.numel()) for o in outgoing]
     flag = error if error is not None else (-1, -1)
+    # Host-side sizes: the communicator sends them on its device and hands them back here.
     counts = torch.tensor([[batch_size, n, flag[0], flag[1]] for n in ids_sent], dtype=torch.int64)
     got = comm.all_to_all_v(
         counts, send_splits=[1] * w, recv_splits=[1] * w, label=label + "/counts"
@@ -175,11 +176,12 @@ def route_features(
         )
 
     def finish() -> Routed:
-        blocks = torch.split(ids.wait(), recv)
+        got = ids.wait()  # on the ids' device
+        blocks = torch.split(got, recv)
         lens = [b[: len(keys) * bs].view(len(keys), bs) for b, bs in zip(blocks, batches)]
         vals = [b[len(keys) * bs :] for b, bs in zip(blocks, batches)]
         per_key = [[int(x) for x in ln.sum(1).tolist()] for ln in lens]  # [s][f]
-        lengths = torch.cat([ln for ln in lens], dim=1).reshape(-1) if lens else torch.zeros(0)
+        lengths = torch.cat([ln for ln in lens], dim=1).reshape(-1) if lens else got[:0]
         values = regroup_key_major(vals, per_key)
         wts = None
         if weights is not None:

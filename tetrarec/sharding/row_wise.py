@@ -104,12 +104,18 @@ class RowGroup(ShardedGroup):
         super().__init__(env, tables, shards_of[env.rank], options)
         self.receives = [tuple(r) for r in receives]
         self._same_everywhere = all(r == self.feature_names for r in self.receives)
-        # Per feature: its table's row starts and their ranks, as tensors.
+        # Per feature: its table's row starts and their ranks, as tensors on the rank's
+        # device, where the ids are bucketized.
+        dev = env.device
         self._starts = [
-            torch.tensor(b[0]) for b, t in zip(bounds, self.tables) for _ in t.feature_names
+            torch.tensor(b[0], device=dev)
+            for b, t in zip(bounds, self.tables)
+            for _ in t.feature_names
         ]
         self._ranks = [
-            torch.tensor(b[1]) for b, t in zip(bounds, self.tables) for _ in t.feature_names
+            torch.tensor(b[1], device=dev)
+            for b, t in zip(bounds, self.tables)
+            for _ in t.feature_names
         ]
         self._pos = [{f: i for i, f in enumerate(r)} for r in self.receives]
         # The same, flat over the features, for one vectorized bucketization of all ids:
@@ -120,14 +126,16 @@ class RowGroup(ShardedGroup):
         nf = len(rows)
         self._flat_keys = torch.cat(
             [i * self._span + st for i, st in enumerate(self._starts)]
-        ) if nf else torch.zeros(0, dtype=torch.int64)  # fmt: skip
-        self._flat_starts = torch.cat(self._starts) if nf else torch.zeros(0, dtype=torch.int64)
-        self._flat_ranks = torch.cat(self._ranks) if nf else torch.zeros(0, dtype=torch.int64)
-        self._rows = torch.tensor(rows, dtype=torch.int64)
+        ) if nf else torch.zeros(0, dtype=torch.int64, device=dev)  # fmt: skip
+        empty = torch.zeros(0, dtype=torch.int64, device=dev)
+        self._flat_starts = torch.cat(self._starts) if nf else empty
+        self._flat_ranks = torch.cat(self._ranks) if nf else empty
+        self._rows = torch.tensor(rows, dtype=torch.int64, device=dev)
         before = [sum(len(r) for r in self.receives[:q]) for q in range(w)]
         self._unit = torch.tensor(
             [[before[q] + self._pos[q].get(f, 0) for q in range(w)] for f in self.feature_names],
             dtype=torch.int64,
+            device=dev,
         ).reshape(nf, w)
         self.dims = [
             sum(t.dim for t in self.tables for f in t.feature_names if f in set(r))
@@ -146,6 +154,7 @@ class RowGroup(ShardedGroup):
                     for c in range(self.feature_dims[self.feature_names.index(f)])
                 ],
                 dtype=torch.int64,
+                device=dev,
             )
             for r in self.receives
         ]
@@ -164,8 +173,13 @@ class RowGroup(ShardedGroup):
         v = features.values.long()
         # Per id: its feature, its sample, and the row block holding it (all features in
         # one pass; bad ids are clamped here, reported below, never sent).
-        fidx = torch.repeat_interleave(torch.arange(nf), torch.tensor(counts, dtype=torch.int64))
-        bag = torch.repeat_interleave(torch.arange(nf * b) % max(b, 1), lens2d.reshape(-1))
+        dev = v.device
+        fidx = torch.repeat_interleave(
+            torch.arange(nf, device=dev), torch.tensor(counts, dtype=torch.int64, device=dev)
+        )
+        bag = torch.repeat_interleave(
+            torch.arange(nf * b, device=dev) % max(b, 1), lens2d.reshape(-1)
+        )
         clamped = torch.minimum(v.clamp(min=0), self._rows[fidx] - 1)
         block = torch.searchsorted(self._flat_keys, fidx * self._span + clamped, right=True) - 1
         dest = self._flat_ranks[block]
@@ -223,7 +237,11 @@ class RowGroup(ShardedGroup):
         assert lengths is not None
         divisor = torch.cat(
             [
-                (lengths[i].clamp(min=1).to(out.dtype) if m else torch.ones(lengths.shape[1]))
+                (
+                    lengths[i].clamp(min=1).to(out.dtype)
+                    if m
+                    else torch.ones(lengths.shape[1], device=out.device)
+                )
                 .unsqueeze(1)
                 .expand(-1, d)
                 for i, (m, d) in enumerate(zip(self._mean, self.feature_dims))

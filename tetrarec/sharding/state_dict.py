@@ -27,12 +27,18 @@ __all__ = ["copy_unsharded_state", "local_blocks", "unshard"]
 
 
 def local_blocks(module: ShardedEmbeddingBagCollection) -> dict[str, Any]:
-    """This rank's blocks: layout, decoded rows and optimizer state (copies)."""
+    """This rank's blocks: layout, decoded rows and optimizer state (CPU copies).
+
+    On the CPU as ``unshard`` (and pickling between processes) needs them, whatever the
+    rank's device.
+    """
     state = module.fused_optimizer.state_dict()["state"]
     return {
         "layout": module.shard_layout(),
-        "weights": module.table_weights(),
-        "state": {name: {k: v.clone() for k, v in s.items()} for name, s in state.items()},
+        "weights": {name: w.cpu() for name, w in module.table_weights().items()},
+        "state": {
+            name: {k: v.to("cpu", copy=True) for k, v in s.items()} for name, s in state.items()
+        },
     }
 
 

@@ -23,6 +23,7 @@ from tetrarec.types import Precision
 
 __all__ = [
     "EMBEDDINGS",
+    "EmbeddingBuilder",
     "RunParts",
     "SparseGradientEmbeddings",
     "build_embeddings",
@@ -52,26 +53,35 @@ def build_tables(model: ModelConfig) -> tuple[TableConfig, ...]:
     )
 
 
-def _reference(tables: tuple[TableConfig, ...], spec: SparseOptimizerSpec, seed: int) -> nn.Module:
+def _reference(
+    tables: tuple[TableConfig, ...], spec: SparseOptimizerSpec, seed: int, device: torch.device
+) -> nn.Module:
     bad = [t.name for t in tables if t.precision is not Precision.FP32]
     if bad:
         raise ValueError(
             f"the reference embedding stores FP32 rows only; tables {bad} ask for "
             f"{tables[0].precision.value}: set model.embedding = 'fused'"
         )
-    return EmbeddingBagCollection(tables, seed=seed)
+    # Initialized on the CPU (the same rows on every device), then moved.
+    return EmbeddingBagCollection(tables, seed=seed).to(device)
 
 
-def _fused(tables: tuple[TableConfig, ...], spec: SparseOptimizerSpec, seed: int) -> nn.Module:
+def _fused(
+    tables: tuple[TableConfig, ...], spec: SparseOptimizerSpec, seed: int, device: torch.device
+) -> nn.Module:
     # Imported here: the kernels package compiles its CPU kernel on first use only.
     from tetrarec.kernels import FusedEmbeddingBagCollection
 
-    return FusedEmbeddingBagCollection(tables, spec, seed=seed)
+    # Built on the device (rows drawn on the CPU chunk by chunk, the same on every device).
+    return FusedEmbeddingBagCollection(tables, spec, seed=seed, device=device)
 
 
-EMBEDDINGS: dict[
-    EmbeddingKind, Callable[[tuple[TableConfig, ...], SparseOptimizerSpec, int], nn.Module]
-] = {
+EmbeddingBuilder = Callable[
+    [tuple[TableConfig, ...], SparseOptimizerSpec, int, torch.device], nn.Module
+]
+
+# (tables, sparse optimizer, seed, device) -> the embedding module, on that device.
+EMBEDDINGS: dict[EmbeddingKind, EmbeddingBuilder] = {
     EmbeddingKind.REFERENCE: _reference,
     EmbeddingKind.FUSED: _fused,
 }
@@ -81,6 +91,8 @@ def build_embeddings(
     config: RunConfig,
     tables: tuple[TableConfig, ...],
     static_counts: Mapping[str, torch.Tensor] | None = None,
+    *,
+    device: torch.device | None = None,
 ) -> nn.Module:
     """The embedding module ``config.model.embedding`` names, seeded by ``train.seed``.
 
@@ -94,8 +106,21 @@ def build_embeddings(
             (``tetrarec.train.static_cache.sample_counts``). Without them a static
             cache pins rows ``0..slots-1``: only for a model whose state a checkpoint
             replaces next (``tetrarec eval`` loads the pinned rows it saved).
+        device: where the rows live (default CPU). The initial rows are the same on
+            every device.
+
+    Raises:
+        ValueError: for ``cached`` or ``ssd`` tables on a non-CPU device (the cached
+            collection keeps its slots and backing rows in host memory).
     """
     model = config.model
+    device = torch.device("cpu") if device is None else device
+    if model.cached and device.type != "cpu":
+        raise ValueError(
+            f"model.placement 'cached' and 'ssd' train on the CPU only (the cache's slots and "
+            f"backing rows live in host memory), but train.device resolves to {device}: set "
+            "train.device = 'cpu', or model.placement = 'host' to keep every row on the device"
+        )
     if model.cached:  # ModelConfig has checked that the embedding is fused
         from tetrarec.cache import CachedEmbeddingBagCollection, CachePolicy
 
@@ -112,7 +137,7 @@ def build_embeddings(
             static_counts=static_counts,
             seed=config.train.seed,
         )
-    return EMBEDDINGS[model.embedding](tables, config.optim.sparse, config.train.seed)
+    return EMBEDDINGS[model.embedding](tables, config.optim.sparse, config.train.seed, device)
 
 
 # The embedding module is an nn.Module attribute of the model, so its static type says
@@ -190,6 +215,12 @@ class RunParts:
         return self.dense_optimizer, self.sparse_optimizer
 
     @property
+    def device(self) -> torch.device:
+        """Where the model trains: the device of its dense layers."""
+        first = next(self.model.dense_parameters(), None)
+        return first.device if first is not None else torch.device("cpu")
+
+    @property
     def step_model(self) -> nn.Module:
         """The module a training step calls (``forward``, or the model)."""
         return self.forward if self.forward is not None else self.model
@@ -211,22 +242,31 @@ def build_parts(
     config: RunConfig,
     *,
     num_dense: int,
+    device: torch.device | None = None,
     describe_only: bool = False,
     static_counts: Mapping[str, torch.Tensor] | None = None,
 ) -> RunParts:
     """Build the model and its optimizers, all initialized from ``config.train.seed``.
 
+    Every weight is drawn on the CPU and then placed on ``device``, so a run starts
+    from the same weights on every device.
+
     Args:
         config: the run.
         num_dense: dense features the data provides (checked against the model).
+        device: where the model lives (``TrainConfig.resolve_device``; default CPU):
+            the dense layers and the embedding rows (unless ``describe_only``).
         describe_only: put the fused embedding module on the meta device: it only
-            describes the tables, for ``shard_model`` to build each rank's blocks.
+            describes the tables, for ``shard_model`` to build each rank's blocks (on
+            the sharding env's device).
         static_counts: the ``static`` cache policy's sample counts
             (``build_embeddings``).
 
     Raises:
-        ValueError: if the data's dense width differs from ``model.dlrm.num_dense``.
+        ValueError: if the data's dense width differs from ``model.dlrm.num_dense``, or
+            cached tables are asked for on a non-CPU device.
     """
+    device = torch.device("cpu") if device is None else device
     if num_dense != config.model.dlrm.num_dense:
         raise ValueError(
             f"the data has {num_dense} dense features but model.dlrm.num_dense is "
@@ -245,8 +285,24 @@ def build_parts(
             build_tables(config.model), config.optim.sparse, seed=config.train.seed, device="meta"
         )
     else:
-        embeddings = build_embeddings(config, build_tables(config.model), static_counts)
+        embeddings = build_embeddings(
+            config, build_tables(config.model), static_counts, device=device
+        )
     model = build_model(config.model.dlrm, embeddings)
+    _dense_to(model, device)  # before the optimizers: their state follows the parameters
     dense_opt = build_dense_optimizer(config.optim, list(model.dense_parameters()))
     sparse_opt = embedding_optimizer(embeddings, config.optim.sparse)
     return RunParts(model=model, dense_optimizer=dense_opt, sparse_optimizer=sparse_opt)
+
+
+def _dense_to(model: DLRM, device: torch.device) -> None:
+    """Move every submodule of ``model`` but its embeddings to ``device``, in place.
+
+    The embedding module is built where its rows belong (or on the meta device, to be
+    sharded), so it is left alone: a meta module cannot be copied.
+    """
+    assert not list(model.parameters(recurse=False)), "DLRM keeps its weights in submodules"
+    assert not list(model.buffers(recurse=False)), "DLRM keeps its buffers in submodules"
+    for name, child in model.named_children():
+        if name != "embeddings":
+            child.to(device)

@@ -356,8 +356,16 @@ def _tuples_back(group: dict[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in group.items()}
 
 
-def capture_rng_state(prefix: str = "rng") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The torch CPU, numpy and python RNG states as named tensors plus JSON."""
+def capture_rng_state(
+    prefix: str = "rng", device: torch.device | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The torch CPU, numpy and python RNG states as named tensors plus JSON.
+
+    Args:
+        prefix: the tensors' name prefix.
+        device: the run's device; for a CUDA device its generator's state (what
+            dropout draws from there) is saved too, as ``<prefix>.cuda``.
+    """
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
     py_version, py_internal, py_gauss = random.getstate()
     tensors = {
@@ -365,6 +373,8 @@ def capture_rng_state(prefix: str = "rng") -> tuple[dict[str, torch.Tensor], dic
         f"{prefix}.numpy": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
         f"{prefix}.python": torch.tensor(py_internal, dtype=torch.int64),
     }
+    if device is not None and device.type == "cuda":
+        tensors[f"{prefix}.cuda"] = torch.cuda.get_rng_state(device)  # uint8, on the host
     extra = {
         "numpy": [np_kind, int(np_pos), int(np_has_gauss), float(np_gauss)],
         "python": [py_version, py_gauss],
@@ -373,10 +383,20 @@ def capture_rng_state(prefix: str = "rng") -> tuple[dict[str, torch.Tensor], dic
 
 
 def restore_rng_state(
-    tensors: dict[str, torch.Tensor], extra: dict[str, Any], prefix: str = "rng"
+    tensors: dict[str, torch.Tensor],
+    extra: dict[str, Any],
+    prefix: str = "rng",
+    device: torch.device | None = None,
 ) -> None:
-    """Set the torch CPU, numpy and python RNGs from ``capture_rng_state``'s output."""
+    """Set the torch CPU, numpy and python RNGs from ``capture_rng_state``'s output.
+
+    On a CUDA ``device`` its generator is set too, when the state holds one (a run
+    saved on the CPU and resumed on a GPU keeps the GPU's seeded generator).
+    """
     torch.set_rng_state(tensors[f"{prefix}.torch"])
+    cuda = tensors.get(f"{prefix}.cuda")
+    if cuda is not None and device is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda, device)
     np_kind, np_pos, np_has_gauss, np_gauss = extra["numpy"]
     keys = tensors[f"{prefix}.numpy"].numpy().astype(np.uint32)
     np.random.set_state((np_kind, keys, np_pos, np_has_gauss, np_gauss))

@@ -3,8 +3,9 @@
 ``torchrun --nproc-per-node N -m tetrarec train --config run.toml`` starts N processes;
 each calls ``train``, which, seeing a launch of several ranks, does::
 
-    1. join the process group (gloo on CPU, NCCL on CUDA; collectives time out after
-       sharding.timeout_s) and a second one for the dense layers' gradient all-reduce
+    1. join the process group on the rank's device (``train.device``: cuda:LOCAL_RANK
+       with NCCL, or the CPU with gloo; collectives time out after sharding.timeout_s)
+       and a second one for the dense layers' gradient all-reduce
     2. check that every rank runs the same config (one small collective; a rank started
        with another config stops every rank with the keys that differ)
     3. make the plan (sharding.plan; sharding.type placed by bytes; or, with neither,
@@ -13,9 +14,9 @@ each calls ``train``, which, seeing a launch of several ranks, does::
        collective) and check it against the tables and the world
     4. build the datasets (``run_datasets``): every rank fits the dense transform on
        the training rows, then all take rank 0's statistics
-    5. build the model with its tables described on the meta device, then
-       ``shard_model``: each rank builds only its blocks; the dense part trains under
-       DistributedDataParallel
+    5. build the model with its tables described on the meta device and its dense
+       layers on the rank's device, then ``shard_model``: each rank builds only its
+       blocks, on its device; the dense part trains under DistributedDataParallel
 """
 
 from __future__ import annotations
@@ -47,14 +48,24 @@ __all__ = ["make_plan", "run_datasets", "sharded_parts", "sharding_env"]
 logger = logging.getLogger(__name__)
 
 
-def sharding_env(config: RunConfig, launch: LaunchInfo) -> ShardingEnv:
+def sharding_env(
+    config: RunConfig, launch: LaunchInfo, device: torch.device | None = None
+) -> ShardingEnv:
     """Join the launch's process groups and check that every rank runs ``config``.
+
+    Args:
+        config: the run.
+        launch: where this process sits in the launch.
+        device: this rank's device (``TrainConfig.resolve_device(launch.local_rank)``);
+            default: resolved here. It picks the backend (NCCL for CUDA, gloo for the
+            CPU), and the shards' rows and every collective's buffers live on it.
 
     Raises:
         ValueError: on every rank, if the ranks' configs differ, or the batch sizes do
-            not split over the ranks.
+            not split over the ranks; here, for a device this rank cannot use.
     """
-    device = torch.device("cpu")
+    if device is None:
+        device = config.train.resolve_device(launch.local_rank)
     comm = init_from_env(launch, device=device, timeout_s=config.sharding.timeout_s)
     env = ShardingEnv(
         comm,
@@ -191,7 +202,9 @@ def sharded_parts(
     rank); each cached shard pins the hottest of its rows.
     """
     plan = make_plan(config, env)
-    parts = build_parts(config, num_dense=num_dense, describe_only=True)
+    # The dense layers go to the env's device (DDP wraps them there); the tables are
+    # only described, and each rank builds its blocks on that device (shard_model).
+    parts = build_parts(config, num_dense=num_dense, device=env.device, describe_only=True)
     cache = config.model.cache.spec() if config.model.cached else None
     wrapped = shard_model(parts.model, plan, env, cache=cache, static_counts=static_counts)
     optimizer = getattr(model_embeddings(parts.model), "fused_optimizer", None)

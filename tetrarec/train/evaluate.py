@@ -37,13 +37,17 @@ def evaluate(
     *,
     batch_size: int,
     comm: Communicator | None = None,
+    device: torch.device | None = None,
 ) -> Metrics:
     """Exact metrics of ``model`` over every row of ``dataset``, in order.
 
     The model is put in eval mode for the pass and restored afterwards. With ``comm``
     (a sharded model), each rank evaluates its slice of every batch and the metrics are
     those of the whole dataset, the same on every rank (logits and labels gathered).
+    Each batch goes to ``device`` (the model's; default CPU); the logits come back to
+    the host in float64, where the metrics are computed exactly as on a CPU run.
     """
+    device = torch.device("cpu") if device is None else device
     rank, world = (comm.rank, comm.world_size) if comm is not None else (0, 1)
     loader = BatchLoader(
         dataset,
@@ -60,6 +64,7 @@ def evaluate(
     try:
         with torch.no_grad():
             for batch in loader:
+                batch = batch.to(device)
                 acc.update(model(batch.dense, batch.sparse), batch.labels)  # logits (B,)
     finally:
         loader.close()
@@ -94,7 +99,9 @@ def evaluate_checkpoint(
     """Rebuild the model saved in checkpoint ``path`` and evaluate it.
 
     The dense features go through the transform saved in the checkpoint (fitted on the
-    run's training rows), never one refitted on the evaluated data.
+    run's training rows), never one refitted on the evaluated data. The model is built
+    on the device ``train.device`` resolves to here (the saved run's setting unless an
+    override changes it; checkpoints hold CPU tensors, so any device loads them).
 
     Args:
         path: a checkpoint directory (``<checkpoint_dir>/step_<n>``).
@@ -109,8 +116,8 @@ def evaluate_checkpoint(
         The metrics over every evaluated row.
 
     Raises:
-        ValueError: on a bad override, a source that reads no files with ``data``, or
-            data that does not fit the model.
+        ValueError: on a bad override, a source that reads no files with ``data``, data
+            that does not fit the model, or ``train.device = "cuda"`` without CUDA.
     """
     config = checkpoint_config(path)
     if data:  # the run's row ranges were for its own inputs
@@ -135,7 +142,8 @@ def evaluate_checkpoint(
         eval_ds: Dataset = TransformedDataset(raw, saved, where=", ".join(data))
     else:
         _, eval_ds = build_datasets(config.data, tables, dense=saved)
-    parts = build_parts(config, num_dense=eval_ds.num_dense)
+    device = config.train.resolve_device()
+    parts = build_parts(config, num_dense=eval_ds.num_dense, device=device)
     load_model_state(path, parts.model)
-    logger.info("evaluating %s on %d rows", path, eval_ds.num_samples)
-    return evaluate(parts.model, eval_ds, batch_size=config.data.eval_batch_size)
+    logger.info("evaluating %s on %d rows (%s)", path, eval_ds.num_samples, device)
+    return evaluate(parts.model, eval_ds, batch_size=config.data.eval_batch_size, device=device)

@@ -30,6 +30,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import random
 import sys
 import time
@@ -44,8 +45,8 @@ import torch.nn.functional as F  # torch's convention
 from tqdm import tqdm
 
 from tetrarec.cache import CacheStats
-from tetrarec.comm import LaunchInfo, destroy, is_joined
-from tetrarec.config import RunConfig, TrainConfig
+from tetrarec.comm import LaunchInfo, destroy, is_joined, joined_backend
+from tetrarec.config import DeviceKind, RunConfig, TrainConfig
 from tetrarec.data import BatchLoader
 from tetrarec.kernels import build_cpu_kernels
 from tetrarec.sparse import Batch
@@ -146,6 +147,20 @@ class TrainResult:
         return f"best {best.metric.value} at step {best.step}: {best.metrics.summary()}"
 
 
+def _run_device(config: TrainConfig, launch: LaunchInfo) -> torch.device:
+    """The device of this process's run (``TrainConfig.resolve_device``).
+
+    A caller that joined the process group itself chose its backend, and ``auto``
+    follows it: the CPU under gloo (a gloo group cannot move CUDA tensors all-to-all),
+    this rank's GPU under NCCL. An explicit ``cpu`` or ``cuda`` is kept (and checked
+    against the group when the run joins it).
+    """
+    backend = joined_backend() if launch.distributed else None
+    if backend is not None and config.device is DeviceKind.AUTO and "nccl" not in backend:
+        return torch.device("cpu")
+    return config.resolve_device(launch.local_rank)
+
+
 @contextlib.contextmanager
 def _runtime(config: TrainConfig) -> Iterator[None]:
     """Thread count and deterministic mode for the run; restored afterwards."""
@@ -228,7 +243,20 @@ class _Run:
         random.seed(config.train.seed)
         np.random.seed(config.train.seed)
         torch.manual_seed(config.train.seed)
-        self.env = sharding_env(config, launch) if launch.distributed else None
+        # Where everything trains, resolved once (LOCAL_RANK picks this process's GPU).
+        self.device = _run_device(config.train, launch)
+        if launch.rank == 0:
+            logger.info("training on %s", self.device)
+        if self.device.type == "cuda":
+            # Work torch places on "the current GPU" (cuBLAS handles, generators) goes
+            # to this process's GPU, not GPU 0.
+            torch.cuda.set_device(self.device)
+        if self.device.type == "cuda" and config.train.deterministic:
+            # cuBLAS is deterministic only with a fixed workspace, read when its first
+            # handle is made (torch's deterministic mode raises otherwise): set it before
+            # the first product, unless the user chose one.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        self.env = sharding_env(config, launch, self.device) if launch.distributed else None
         if self.env is None and (config.sharding.type or config.sharding.plan):
             logger.info("one process: the [sharding] section applies to torchrun launches")
         self.rank, self.world = (self.env.rank, self.env.world_size) if self.env else (0, 1)
@@ -240,7 +268,7 @@ class _Run:
             )
         else:
             self.parts = build_parts(
-                config, num_dense=self.train_ds.num_dense, static_counts=counts
+                config, num_dense=self.train_ds.num_dense, device=self.device, static_counts=counts
             )
         if counts is not None:
             self._log_pinned(counts)
@@ -347,8 +375,10 @@ class _Run:
             dynamic_ncols=True,
         )
         # The compiled kernels build (or load from the cache) on first use: do it here,
-        # before the clock starts, so that samples_per_s never includes a compile.
-        build_cpu_kernels()
+        # before the clock starts, so that samples_per_s never includes a compile. A
+        # CUDA run never calls them (its tensors take the portable path).
+        if self.device.type == "cpu":
+            build_cpu_kernels()
         seconds = 0.0
         with bar:
             while self.step < self.total_steps and not self.stopped_early:
@@ -391,6 +421,7 @@ class _Run:
         scale = lr_scale(self.step, optim)
         set_learning_rate(parts.dense_optimizer, optim.dense_lr * scale)
         set_learning_rate(parts.sparse_optimizer, optim.sparse.lr * scale)
+        batch = batch.to(self.device)  # the same tensors when the run is on the CPU
         logits = parts.step_model(batch.dense, batch.sparse)  # (B,)
         # This rank's share of the global batch's mean loss: summed over ranks (the
         # dense gradients are summed, the tables' gradients go to their owners), it is
@@ -487,6 +518,7 @@ class _Run:
             self.eval_ds,
             batch_size=self.config.data.eval_batch_size,
             comm=self.env.comm if self.env else None,
+            device=self.device,
         )
         self.evals.append((self.step, metrics))
         if self.rank == 0:

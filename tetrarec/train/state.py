@@ -9,7 +9,11 @@ Tensor names in ``tensors.safetensors``::
     sparse_optim.<k>.<name>   the tables' optimizer state: ``<k>`` is the table name for a
                               fused module's optimizer, the parameter index for the
                               reference embedding's sparse-gradient optimizer
-    rng.torch|numpy|python    RNG states
+    rng.torch|numpy|python    RNG states (and rng.cuda, the GPU generator of a CUDA run)
+
+Every tensor is saved from the CPU (a CUDA run's are copied to the host) and loaded
+into the run's own tensors wherever they live, so a checkpoint written on one device
+resumes or evaluates on another.
 
 ``meta.json`` holds the step, the data position (the global batch number the next step
 reads), the run config, the fitted dense transform (``dense_transform``: per-column
@@ -111,7 +115,7 @@ def save_run_state(
     sp_t, sp_j = flatten_optimizer_state(parts.sparse_optimizer.state_dict(), "sparse_optim")
     tensors.update(sp_t)
     meta["sparse_optim"] = sp_j
-    rng_t, rng_j = capture_rng_state()
+    rng_t, rng_j = capture_rng_state(device=parts.device)
     if parts.env is not None and parts.env.world_size > 1:
         return _save_sharded(root, parts, step, tensors, meta, (rng_t, rng_j), keep)
     _check_finite(tensors, step, 0)
@@ -241,7 +245,9 @@ def load_run_state(path: str | Path, parts: RunParts) -> tuple[int, int]:
             f"{path}: the tables' optimizer state does not fit this run (was it written with "
             f"another embedding module or optimizer?): {e}"
         ) from e
-    restore_rng_state(data.tensors, rank_meta["rng"] if rank_meta else data.meta["rng"])
+    restore_rng_state(
+        data.tensors, rank_meta["rng"] if rank_meta else data.meta["rng"], device=parts.device
+    )
     return data.step, int(data.meta["data_position"])
 
 

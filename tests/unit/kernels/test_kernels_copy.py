@@ -65,3 +65,21 @@ def test_copy_row_runs_refuses_a_run_past_its_buffer(kernel_path):
     src, dst = torch.zeros(12), torch.zeros(12)
     with pytest.raises(RuntimeError):
         ops.copy_row_runs(src, dst, torch.tensor([[0, 4, 2, 4, 4]]), 3)  # row 2 ends at 14
+
+
+def test_copy_row_runs_reads_and_writes_views_inside_a_larger_buffer(kernel_path):
+    """Bug caught: offsets counted from the start of the storage instead of the tensor's
+    first element (a slice of a larger buffer); the portable path, which CUDA tensors
+    take, routed a sharded collection's gradient to the wrong columns so."""
+    storage = torch.arange(40.0)
+    src = storage[7:31]  # (4, 6) rows, starting at element 7 of its storage
+    out = torch.full((30,), -1.0)
+    dst = out[5:25]  # (4, 5) rows, starting at element 5
+    runs = torch.tensor([[1, 6, 0, 5, 2], [5, 6, 4, 5, 1]])
+    ops.copy_row_runs(src, dst, runs, 4)
+    want = torch.full((4, 5), -1.0)
+    s = src.view(4, 6)
+    want[:, 0:2], want[:, 4] = s[:, 1:3], s[:, 5]
+    assert torch.equal(dst.view(4, 5), want)
+    assert torch.equal(out[:5], torch.full((5,), -1.0))  # nothing outside the view
+    assert torch.equal(out[25:], torch.full((5,), -1.0))

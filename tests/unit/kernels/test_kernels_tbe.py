@@ -307,3 +307,18 @@ def test_resumed_low_precision_training_rounds_the_same(kernel_path, precision):
     for t, names in straight.fused_optimizer.state_dict()["state"].items():
         for k, v in names.items():
             assert torch.equal(resumed.fused_optimizer.state_dict()["state"][t][k], v), (t, k)
+
+
+def test_a_batch_of_no_samples_pools_nothing_and_updates_nothing(kernel_path):
+    """Bug caught: the portable path (every CUDA tensor's) failing on a batch of no
+    samples ("slice step cannot be zero"): a rank's share of a short last evaluation
+    batch, which stopped a sharded run on every rank."""
+    fused = FusedEmbeddingBagCollection(MIXED, ADAM, seed=0)
+    before = {k: v.clone() for k, v in fused.state_dict().items()}
+    empty = SparseFeatures.from_lists({f: [] for t in MIXED for f in t.feature_names})
+    out = fused(empty).values
+    assert out.shape == (0, sum(t.dim for t in MIXED for _ in t.feature_names))
+    out.backward(torch.zeros_like(out))
+    for name, value in fused.state_dict().items():
+        if name != "rounding":  # the backward count moves on
+            assert torch.equal(value, before[name]), name
