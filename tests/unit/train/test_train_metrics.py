@@ -179,3 +179,62 @@ def test_miscalibration_says_which_direction(calibration: float, direction: str 
         assert note is not None
         assert direction in note
         assert f"{calibration:.3f}" in note
+
+
+# -- found by mutation testing (make mutants, mutation/README.md) --------------------------
+
+
+def test_auc_of_one_positive_or_one_negative_is_defined_and_warns_nothing() -> None:
+    """Bugs caught: a one-of-a-class set taken as one-class (nan where the AUC is
+    defined), and a one-class check that lets the division by zero through (the same
+    nan, with a numpy warning in every evaluation of a one-class set)."""
+    import warnings
+
+    z = torch.tensor([0.1, 0.9, 0.4, 0.3])
+    assert compute_metrics(z, torch.tensor([0.0, 1.0, 0.0, 0.0])).auc == 1.0
+    one_negative = torch.tensor([1.0, 1.0, 0.0, 1.0])  # only 0.9 is above its 0.4
+    assert compute_metrics(z, one_negative).auc == pytest.approx(1 / 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert math.isnan(compute_metrics(z, torch.zeros(4)).auc)
+        assert math.isnan(compute_metrics(z, torch.ones(4)).auc)
+
+
+def test_accumulator_computes_in_float64_whatever_the_batches_dtype() -> None:
+    """Bug caught: FP32 logits kept in FP32 (log loss and calibration summed in single
+    precision over a whole evaluation set drift from the exact figures)."""
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(5000, generator=g) * 4
+    y = (torch.rand(5000, generator=g) < 0.3).float()
+    acc = MetricAccumulator()
+    for lo in range(0, 5000, 700):
+        acc.update(z[lo : lo + 700], y[lo : lo + 700])  # FP32 batches
+    assert acc.compute() == compute_metrics(z.double(), y.double())
+
+
+def test_error_and_warning_messages_say_what_and_how_much() -> None:
+    """Bugs caught: messages that lose their content (a bad Metrics dict not named, the
+    direction or the mean prediction of a miscalibration wrong in the log line)."""
+    with pytest.raises(ValueError, match=r"not a Metrics dict .*'bogus'"):
+        Metrics.from_dict({"bogus": 1.0})
+    over = miscalibration(_metrics(calibration=1.5))  # ctr 0.2: mean prediction 0.3
+    assert over == (
+        "calibration 1.500 is outside [0.8, 1.25]: the model over-predicts the CTR "
+        "(mean prediction 0.3000, observed 0.2000)"
+    )
+    under = miscalibration(_metrics(calibration=0.5))
+    assert under is not None
+    assert under.endswith(
+        "the model under-predicts the CTR (mean prediction 0.1000, observed 0.2000)"
+    )
+
+
+def test_best_eval_before_any_evaluation_round_trips_and_an_improved_step_counts_once() -> None:
+    """Bugs caught: a run checkpointed before its first evaluation that cannot write or
+    read its meta (no step, no metrics), and an improvement that does not record its
+    step as seen (a resumed run re-evaluating that step would count it again)."""
+    empty = BestEval(metric=BestMetric.AUC)
+    assert BestEval.from_dict(json.loads(json.dumps(empty.to_dict()))) == empty
+    best = empty.update(5, _metrics(auc=0.7))
+    assert best.last_step == 5
+    assert best.update(5, _metrics(auc=0.9)) is best
