@@ -10,6 +10,7 @@ from tetrarec.models.dlrm import (
     StartsPooling,
     build_model,
 )
+from tetrarec.models.first_order import FirstOrder
 from tetrarec.models.interaction import DotInteraction, Interaction, dot_interaction_reference
 from tetrarec.models.mlp import MLP
 
@@ -21,6 +22,7 @@ __all__ = [
     "DLRMConfig",
     "DotInteraction",
     "EmbeddingModule",
+    "FirstOrder",
     "Interaction",
     "InteractionImpl",
     "LowRankCrossNet",

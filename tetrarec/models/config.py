@@ -73,11 +73,22 @@ class DLRMConfig:
             with the embeddings), nor inside DCN's cross layers (their residual,
             multiplicative form crosses every input with ``x_0``: a dropped unit of
             ``x_0`` would zero every cross term it takes part in). 0 (default) is off.
+        first_order: add a first-order (linear) term to the logit: one weight per row
+            of every table and per dense input, all starting at 0
+            (``tetrarec.models.FirstOrder``). A logistic regression on the same
+            features, trained beside the interactions. Off by default. Needs an
+            unsharded embedding module that lists its ``tables``.
+        first_order_lr: learning rate of the per-row weights (Adagrad, fused in
+            backward); constant: the run's warm-up and decay do not scale it. The
+            dense inputs' weights train with the dense optimizer.
+        first_order_weight_decay: L2 on the per-row weights a step touches (lazy, as
+            ``optim.sparse.weight_decay``); the dense inputs' weights take
+            ``optim.dense_weight_decay``.
 
     Raises:
         ValueError: on empty or non-positive layer sizes, a top MLP not ending in 1,
-            a bad DCN setting, an unsupported dense precision or a ``dropout``
-            outside [0, 1).
+            a bad DCN setting, an unsupported dense precision, a ``dropout``
+            outside [0, 1) or a negative first-order setting.
     """
 
     num_dense: int = 13
@@ -91,6 +102,9 @@ class DLRMConfig:
     bf16_matmul: BF16Matmul = BF16Matmul.AUTO
     seed: int | None = None
     dropout: float = 0.0
+    first_order: bool = False
+    first_order_lr: float = 0.02
+    first_order_weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bottom_mlp", tuple(self.bottom_mlp))
@@ -113,6 +127,11 @@ class DLRMConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.first_order_lr < 0 or self.first_order_weight_decay < 0:
+            raise ValueError(
+                f"first_order_lr and first_order_weight_decay must be >= 0, got "
+                f"{self.first_order_lr} and {self.first_order_weight_decay}"
+            )
         if self.dense_precision not in _DENSE_PRECISIONS:
             valid = ", ".join(p.value for p in _DENSE_PRECISIONS)
             raise ValueError(

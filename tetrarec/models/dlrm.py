@@ -29,6 +29,11 @@ units: ``tetrarec.models.precision``) while the weights (and so the optimizer st
 stay FP32; embeddings, the dot interaction and the logit layer (the top MLP's last,
 -> 1) stay FP32.
 
+With ``first_order`` a ``FirstOrder`` term (a weight per table row and per dense
+input, a logistic regression on the same features) is added to the logit::
+
+    logits = OverArch(...) + sum_f w_f[id_f] + <v, dense>
+
 With ``dropout > 0`` the hidden activations of both MLPs are dropped in training mode
 (``model.train()``), never in evaluation mode; see ``DLRMConfig.dropout`` for where.
 """
@@ -36,6 +41,7 @@ With ``dropout > 0`` the hidden activations of both MLPs are dropped in training
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
@@ -44,8 +50,10 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from tetrarec.embedding import TableConfig
 from tetrarec.models.config import DLRMConfig, ModelArch
 from tetrarec.models.dcn import DCNInteraction
+from tetrarec.models.first_order import FirstOrder
 from tetrarec.models.interaction import DotInteraction, Interaction
 from tetrarec.models.mlp import MLP, generator_for
 from tetrarec.models.precision import BF16Matmul, dense_precision_context, has_native_bf16
@@ -143,9 +151,10 @@ class DLRM(nn.Module):
             ``config.bottom_mlp[-1]``. It is registered as ``self.embeddings``.
 
     Raises:
-        TypeError: if ``embeddings`` does not follow ``EmbeddingModule``.
+        TypeError: if ``embeddings`` does not follow ``EmbeddingModule``, or, with
+            ``config.first_order``, does not list its ``tables``.
         ValueError: if the embedding dims differ from each other or from the bottom
-            MLP's output.
+            MLP's output, or ``config.first_order`` is set for sharded tables.
 
     Example:
         >>> from tetrarec.embedding import EmbeddingBagCollection, TableConfig
@@ -203,6 +212,15 @@ class DLRM(nn.Module):
             generator=gen,
             dropout=config.dropout,
         )
+        # Built last: it draws nothing from the RNGs, and a model without it is as before.
+        self.first_order: FirstOrder | None = None
+        if config.first_order:
+            self.first_order = FirstOrder(
+                _first_order_tables(embeddings),
+                num_dense=config.num_dense,
+                lr=config.first_order_lr,
+                weight_decay=config.first_order_weight_decay,
+            )
 
     def forward(self, dense: torch.Tensor, sparse: SparseFeatures) -> torch.Tensor:
         """Logits for a batch.
@@ -220,6 +238,7 @@ class DLRM(nn.Module):
                 pending: PendingPooling = self.embeddings.start(sparse)
             else:
                 pending = _Pooled(self.embeddings(sparse))
+        inputs = dense
         if self.config.num_dense == 0:  # (B, 0): the bottom MLP reads a constant 1
             dense = dense.new_ones(sparse.batch_size, 1)
         with record_function("tetrarec/dense_arch"), self._autocast(dense):
@@ -230,6 +249,9 @@ class DLRM(nn.Module):
         with record_function("tetrarec/over_arch"), self._autocast(dense):
             logits = self.over_arch(z)  # (B, 1)
         out: torch.Tensor = logits.squeeze(1).float()  # (B,)
+        if self.first_order is not None:
+            with record_function("tetrarec/first_order"):
+                out = out + self.first_order(inputs, sparse)  # FP32 (B,)
         return out
 
     def dense_parameters(self) -> Iterator[nn.Parameter]:
@@ -242,6 +264,32 @@ class DLRM(nn.Module):
         return dense_precision_context(
             self.config.dense_precision, self.config.bf16_matmul, like.device.type
         )
+
+
+def _first_order_tables(embeddings: nn.Module) -> tuple[TableConfig, ...]:
+    """The tables a ``FirstOrder`` term copies: those of an unsharded ``embeddings``.
+
+    Raises:
+        TypeError: if ``embeddings`` does not list its tables (``tables``).
+        ValueError: if ``embeddings`` is sharded, or only describes its tables (on the
+            meta device, to be sharded next).
+    """
+    sharded = isinstance(embeddings, StartsPooling) or any(
+        b.is_meta for b in itertools.chain(embeddings.buffers(), embeddings.parameters())
+    )
+    if sharded:
+        raise ValueError(
+            "model.dlrm.first_order is not supported with sharded tables yet: its per-row "
+            "weights would be replicated on every rank and updated with that rank's "
+            "gradients only; train without sharding, or set model.dlrm.first_order = false"
+        )
+    tables = getattr(embeddings, "tables", None)
+    if not isinstance(tables, tuple) or not all(isinstance(t, TableConfig) for t in tables):
+        raise TypeError(
+            f"model.dlrm.first_order needs an embedding module that lists its tables "
+            f"(a tuple of TableConfig in .tables); {type(embeddings).__name__} does not"
+        )
+    return tables
 
 
 def build_model(config: DLRMConfig, embeddings: nn.Module) -> DLRM:
