@@ -196,8 +196,11 @@ def test_auc_of_one_positive_or_one_negative_is_defined_and_warns_nothing() -> N
     assert compute_metrics(z, one_negative).auc == pytest.approx(1 / 3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert math.isnan(compute_metrics(z, torch.zeros(4)).auc)
-        assert math.isnan(compute_metrics(z, torch.ones(4)).auc)
+        for one_class in (torch.zeros(4), torch.ones(4)):
+            m = compute_metrics(z, one_class)
+            assert math.isnan(m.auc)
+            assert math.isnan(m.ne)  # the labels' entropy is 0: NE is undefined
+        assert math.isnan(compute_metrics(z, torch.zeros(4)).calibration)  # no positives
 
 
 def test_accumulator_computes_in_float64_whatever_the_batches_dtype() -> None:
@@ -238,3 +241,28 @@ def test_best_eval_before_any_evaluation_round_trips_and_an_improved_step_counts
     best = empty.update(5, _metrics(auc=0.7))
     assert best.last_step == 5
     assert best.update(5, _metrics(auc=0.9)) is best
+
+
+def test_shapes_edge_values_and_bad_labels() -> None:
+    """Bugs caught: (B, 1) logits or labels not flattened, a single sample refused as if
+    empty, a logit of exactly 0 (p = 0.5) not counted as predicting a click, and the
+    error for bad labels listing other values than the first five that are not 0 or 1;
+    ``tensors()`` returning another dtype than FP64."""
+    z = torch.tensor([0.0, -1.0, 2.0, 0.5])
+    y = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    flat = compute_metrics(z, y)
+    assert compute_metrics(z.view(4, 1), y) == flat
+    assert compute_metrics(z, y.view(4, 1)) == flat
+    assert flat.accuracy == 0.75  # z = 0 predicts a click (p >= 0.5); 0.5 is wrong
+    assert compute_metrics(torch.tensor([1.0]), torch.tensor([1.0])).num_samples == 1
+    with pytest.raises(ValueError, match="over 0 samples"):
+        compute_metrics(torch.zeros(0), torch.zeros(0))
+    bad = torch.tensor([0.0, 0.5, 2.0, 1.0, -1.0, 3.0, 4.0, 5.0])
+    with pytest.raises(ValueError, match=r"got \[0\.5, 2\.0, -1\.0, 3\.0, 4\.0\]$"):
+        compute_metrics(torch.zeros(8), bad)
+    acc = MetricAccumulator()
+    acc.update(z.float(), y.long())
+    logits, labels = acc.tensors()
+    assert logits.dtype == labels.dtype == torch.float64
+    assert torch.equal(logits, z.double())
+    assert torch.equal(labels, y.double())
