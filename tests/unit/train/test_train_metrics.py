@@ -261,6 +261,9 @@ def test_shapes_edge_values_and_bad_labels() -> None:
     with pytest.raises(ValueError, match=r"got \[0\.5, 2\.0, -1\.0, 3\.0, 4\.0\]$"):
         compute_metrics(torch.zeros(8), bad)
     acc = MetricAccumulator()
+    for empty in acc.tensors():  # nothing added yet: two empty FP64 tensors
+        assert empty.dtype == torch.float64
+        assert empty.shape == (0,)
     acc.update(z.float(), y.long())
     logits, labels = acc.tensors()
     assert logits.dtype == labels.dtype == torch.float64
