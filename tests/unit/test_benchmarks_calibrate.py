@@ -81,15 +81,16 @@ def test_calibrate_writes_a_topology_of_measured_figures(tmp_path: Path) -> None
 def test_routing_fit_recovers_planted_rates() -> None:
     """Fails if ``fit_routing`` reads the points in other units than the cost model
     charges (``route_seconds``), swaps ids and values, mixes the groups, or keeps a
-    fixed per-step cost in the slopes: steps made by the cost model itself with known
-    routing rates plus a constant must give those rates back."""
+    fixed per-step cost in the slopes, or forgets to subtract the split group's SGD
+    baseline: steps made by the cost model itself with known routing rates plus a
+    constant must give those rates back."""
     sys.path.insert(0, str(BENCH))
-    from _routing import ROUTE_GROUPS, ROUTE_POINTS, fit_routing, route_key
+    from _routing import ROUTE_POINTS, _point_kinds, fit_routing, route_key
 
     from tetrarec.embedding import TableConfig
     from tetrarec.planner import AccessStats, PlannerInputs, TableSpec, Topology, predict
     from tetrarec.sharding import plan_by_type
-    from tetrarec.types import ShardingType
+    from tetrarec.types import OptimizerKind, ShardingType
 
     bare = replace(Topology.preset("this-machine"), ranks_per_node=4, cores_per_node=2)
     planted = {
@@ -108,16 +109,17 @@ def test_routing_fit_recovers_planted_rates() -> None:
     }
     routed = replace(bare, rank=replace(bare.rank, **planted))
     steps = {}
-    for group, sharding in ROUTE_GROUPS:
+    for group, sharding, rows, optimizer in _point_kinds():
         for pooling, dim in ROUTE_POINTS:
             names = [f"r{r}" for r in range(4)]
             specs = tuple(
-                TableSpec(name=n, rows=256, dim=dim, features=(n,),
+                TableSpec(name=n, rows=rows, dim=dim, features=(n,),
+                          optimizer=OptimizerKind(optimizer),
                           stats=(AccessStats(mean_pooling=pooling),))
                 for n in names
             )  # fmt: skip
             plan = plan_by_type(
-                [TableConfig(name=n, num_embeddings=256, dim=dim) for n in names],
+                [TableConfig(name=n, num_embeddings=rows, dim=dim) for n in names],
                 ShardingType(sharding),
                 world_size=4,
             )
