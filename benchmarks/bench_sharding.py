@@ -63,9 +63,9 @@ class Config:
     batch: int = 2048
     pooling: int = 1
     zipf: float = 1.05
-    steps: int = 10
+    steps: int = 5
     warmup: int = 3
-    rounds: int = 3
+    rounds: int = 8
     batches: int = 4
     lr: float = 0.01
     seed: int = 0
@@ -377,8 +377,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=2048, help="global batch")
     p.add_argument("--pooling", type=int, default=1)
-    p.add_argument("--steps", type=int, default=10, help="steps per round")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="steps per round")
+    p.add_argument("--rounds", type=int, default=8, help="rounds per implementation, alternating")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cores", type=int, default=os.cpu_count() or 2)
     p.add_argument("--torchrec", choices=("auto", "no"), default="auto",
