@@ -61,8 +61,6 @@ bitwise; without them (a checkpoint of an uncached collection) the caches start 
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import shutil
 import weakref
 from collections.abc import Mapping, Sequence
@@ -73,8 +71,20 @@ import torch
 from torch import nn
 
 from tetrarec.cache.config import CacheSpec
-from tetrarec.cache.files import map_to_files, prefetch_rows
-from tetrarec.cache.policy import CachePolicy, hot_rows, plan_admission
+from tetrarec.cache.files import prefetch_rows
+from tetrarec.cache.movement import InPlaceRows, TableRows
+from tetrarec.cache.parts import (
+    CACHE,
+    RAM,
+    SSD,
+    Part,
+    build_parts,
+    resolve_capacities,
+    resolve_placements,
+)
+from tetrarec.cache.policy import CachePolicy, hot_rows
+from tetrarec.cache.route import CacheRoute, bag_divisor, check_table_ids, split_over_parts
+from tetrarec.cache.slot_map import SlotMap, unique_rows
 from tetrarec.cache.stats import CacheMemory, CacheStats
 from tetrarec.embedding import (
     SparseOptimizerSpec,
@@ -83,7 +93,7 @@ from tetrarec.embedding import (
     draw_seed,
     feature_order,
 )
-from tetrarec.kernels import FusedEmbeddingBagCollection, FusedOptimizer, ops
+from tetrarec.kernels import FusedEmbeddingBagCollection, FusedOptimizer
 from tetrarec.kernels.quant import decode_rows
 from tetrarec.kernels.tbe import load_table_rows
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures, permute_keys
@@ -91,65 +101,7 @@ from tetrarec.types import Placement, PoolingMode, Precision
 
 __all__ = ["CacheRoute", "CachedEmbeddingBagCollection"]
 
-_CACHE, _RAM, _SSD = 0, 1, 2
 _PLACEMENTS = (Placement.HOST, Placement.CACHED, Placement.SSD)
-
-
-class _TableCache:
-    """One table's slot maps and policy state (plain tensors; the rows live in a part)."""
-
-    def __init__(self, capacity: int, rows: int, policy: CachePolicy) -> None:
-        self.capacity = capacity
-        self.policy = policy
-        self.slot_rows = torch.full((capacity,), -1, dtype=torch.int64)  # row per slot
-        self.row_slot = torch.full((rows,), -1, dtype=torch.int32)  # slot per row
-        self.last_used = torch.zeros(capacity, dtype=torch.int64)  # LRU: batch number
-        self.dirty = torch.zeros(capacity, dtype=torch.bool)  # updated since admission
-        lfu = policy is CachePolicy.LFU
-        self.freq = torch.zeros(rows if lfu else 0, dtype=torch.int64)  # LFU: lookups
-        self.counters = [0, 0, 0, 0, 0]  # clock, hits, misses, evictions, write_backs
-
-    def metadata_bytes(self) -> int:
-        tensors = (self.slot_rows, self.row_slot, self.last_used, self.dirty, self.freq)
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-
-@dataclasses.dataclass
-class _Part:
-    """One fused collection inside the cached one, and where its columns go."""
-
-    kind: int
-    module: FusedEmbeddingBagCollection
-    features: torch.Tensor  # (F_p,) indices of its features in the full feature order
-    columns: torch.Tensor  # (sum D_p,) its output columns in the full output
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CacheRoute:
-    """One batch split over the parts of a ``CachedEmbeddingBagCollection`` (``route``).
-
-    Built once per batch and handed to ``pooled_lookup`` (forward) and
-    ``apply_gradients`` (backward). Its tensors index the batch it was built from: ``N``
-    ids over ``B`` samples, key-major in the collection's feature order.
-
-    Args:
-        batch: ``B``, the samples of the batch.
-        values: per part, the ids it takes, local to it (slots or rows).
-        lengths: per part, ``(F_p * B,)`` its share of each bag.
-        masks: per part, ``(N,)`` bool: which ids of the batch it takes.
-        divisor: ``(B, sum D)`` bag lengths on mean-pooled columns (1 elsewhere), or
-            ``None`` without mean pooling.
-        touched: per cached table that admitted this batch (``admit=True``):
-            ``(table index, its unique rows, their slots)``; ``apply_gradients`` checks
-            that they have not moved and marks the slots dirty.
-    """
-
-    batch: int
-    values: list[torch.Tensor]
-    lengths: list[torch.Tensor]
-    masks: list[torch.Tensor]
-    divisor: torch.Tensor | None
-    touched: list[tuple[int, torch.Tensor, torch.Tensor]]
 
 
 class _CachedLookup(torch.autograd.Function):
@@ -238,23 +190,17 @@ class CachedEmbeddingBagCollection(nn.Module):
         self.cache_spec = cache
         self.check_bounds = check_bounds
         self.seed = draw_seed() if seed is None else seed
-        self.placements = _resolve_placements(self.tables, placements or {})
-        cached = [t for t, p in zip(self.tables, self.placements) if p is not Placement.HOST]
-        capacity = cache.capacities(cached, optimizer.kind)
-        for t in cached:
-            f = (fractions or {}).get(t.name)
-            if f is not None:
-                if not 0.0 <= f <= 1.0:
-                    raise ValueError(f"table {t.name!r}: cache fraction {f} is not in [0, 1]")
-                capacity[t.name] = min(t.num_embeddings, math.floor(f * t.num_embeddings))
+        self.placements = resolve_placements(self.tables, placements or {})
+        capacity = resolve_capacities(
+            self.tables, self.placements, cache, optimizer, fractions or {}
+        )
         self._caches = {
-            i: _TableCache(capacity[t.name], t.num_embeddings, cache.policy)
+            i: SlotMap(capacity[t.name], t.num_embeddings, cache.policy)
             for i, t in enumerate(self.tables)
             if t.name in capacity
         }
         self._means = tuple(t.pooling is PoolingMode.MEAN for t in self.tables)
         self._anchor = torch.empty(0, requires_grad=True)
-        self._ssd_dir: Path | None = None
         #: Pages of SSD tables asked for ahead of their reads (``files.prefetch_rows``).
         self.prefetched_pages = 0
         fused = {
@@ -263,10 +209,23 @@ class CachedEmbeddingBagCollection(nn.Module):
             "stochastic_rounding": stochastic_rounding,
             "seed": self.seed,
         }
-        self._parts: list[_Part] = []
-        self._home: dict[int, tuple[int, int]] = {}  # table -> (backing part, local index)
-        self._slot_home: dict[int, int] = {}  # table -> local index in the cache part
-        self._build_parts(fused)
+        self._mover = InPlaceRows()
+        layout = build_parts(
+            self.tables,
+            self.slices,
+            self.placements,
+            {i: c.capacity for i, c in self._caches.items()},
+            optimizer,
+            cache.directory,
+            fused,
+        )
+        self._parts: list[Part] = layout.parts
+        self._home = layout.home  # table -> (backing part, local index)
+        self._slot_home = layout.slot_home  # table -> local index in the cache part
+        self._ssd_dir = layout.ssd_dir
+        if self._ssd_dir is not None:
+            # scratch space, deleted with this module (a checkpoint holds the rows)
+            weakref.finalize(self, shutil.rmtree, self._ssd_dir, True)
         #: The ``torch.optim`` surface; every part reads its hyperparameters.
         self.fused_optimizer = FusedOptimizer(optimizer, self)
         if cache.policy is CachePolicy.STATIC:
@@ -288,64 +247,6 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     # -- construction ---------------------------------------------------------------------
 
-    def _build_parts(self, fused: dict[str, Any]) -> None:
-        groups: dict[int, list[int]] = {_CACHE: [], _RAM: [], _SSD: []}
-        for i, p in enumerate(self.placements):
-            groups[_SSD if p is Placement.SSD else _RAM].append(i)
-            if i in self._caches and self._caches[i].capacity > 0:
-                groups[_CACHE].append(i)
-        for kind in (_CACHE, _RAM, _SSD):
-            members = groups[kind]
-            if not members:
-                continue
-            if kind == _CACHE:
-                tables = [
-                    dataclasses.replace(
-                        self.tables[i],
-                        num_embeddings=self._caches[i].capacity,
-                        pooling=PoolingMode.SUM,
-                        precision=Precision.FP32,
-                    )
-                    for i in members
-                ]
-                self._slot_home.update({i: k for k, i in enumerate(members)})
-            else:
-                # Every part pools as sum: a mean bag is divided by its whole length
-                # after the parts' sums are added. Same name, rows and bound: same
-                # initial rows and rounding keys as the uncached collection.
-                tables = [
-                    dataclasses.replace(self.tables[i], pooling=PoolingMode.SUM) for i in members
-                ]
-                self._home.update({i: (len(self._parts), k) for k, i in enumerate(members)})
-            device = "meta" if kind == _SSD else None
-            # the backing parts hold the (global) cells; the slots are filled by admission
-            slices = None if kind == _CACHE else [self.slices[i] for i in members]
-            module = FusedEmbeddingBagCollection(
-                tables, self.optimizer_spec, device=device, slices=slices, **fused
-            )
-            if kind == _SSD:
-                # scratch space, deleted with this module (a checkpoint holds the rows)
-                self._ssd_dir = map_to_files(module, self.optimizer_spec, self.cache_spec.directory)
-                weakref.finalize(self, shutil.rmtree, self._ssd_dir, True)
-            self._parts.append(self._part(kind, module, members))
-
-    def _part(self, kind: int, module: FusedEmbeddingBagCollection, members: list[int]) -> _Part:
-        feats: list[int] = []
-        cols: list[int] = []
-        f = col = 0
-        for i, t in enumerate(self.tables):
-            for _ in t.feature_names:
-                if i in members:
-                    feats.append(f)
-                    cols.extend(range(col, col + t.dim))
-                f, col = f + 1, col + t.dim
-        return _Part(
-            kind=kind,
-            module=module,
-            features=torch.tensor(feats, dtype=torch.int64),
-            columns=torch.tensor(cols, dtype=torch.int64),
-        )
-
     def _pin_static(self, counts: Mapping[str, torch.Tensor] | None) -> None:
         for i, c in self._caches.items():
             name = self.tables[i].name
@@ -365,7 +266,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         return self._parts[p].module, k
 
     def _slots(self) -> FusedEmbeddingBagCollection:
-        assert self._parts[0].kind == _CACHE  # only called for tables with slots
+        assert self._parts[0].kind == CACHE  # only called for tables with slots
         return self._parts[0].module
 
     @property
@@ -381,23 +282,22 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     # -- cache maintenance ----------------------------------------------------------------
 
+    def _slot_rows(self, i: int) -> TableRows:
+        """Table ``i``'s FP32 slots and their state (part "cache")."""
+        cache, k = self._slots(), self._slot_home[i]
+        return TableRows(cache._table_rows(k), cache._table_state(k), Precision.FP32)
+
+    def _backing_rows(self, i: int) -> TableRows:
+        """Table ``i``'s backing rows and their state."""
+        backing, k = self._backing(i)
+        return TableRows(backing._table_rows(k), backing._table_state(k), self.tables[i].precision)
+
     @torch.no_grad()
     def _fill(self, i: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Admit ``rows`` into ``slots`` (free): decode rows, copy their state."""
-        t, c = self.tables[i], self._caches[i]
-        backing, k = self._backing(i)
-        cache, ck = self._slots(), self._slot_home[i]
         rows, slots = rows.long().contiguous(), slots.long().contiguous()
-        # one pass: gather, decode and scatter each row (the kernels' codec)
-        ops.load_rows(backing._table_rows(k), rows, cache._table_rows(ck), slots, t.precision.value)
-        # index_select / index_copy_ / index_fill_: the same elements as t[i] and
-        # t[i] = v for distinct indices, a fraction of advanced indexing's cost
-        src = backing._table_state(k)
-        for name, dst in cache._table_state(ck).items():
-            dst.index_copy_(0, slots, src[name].index_select(0, rows))
-        c.row_slot.index_copy_(0, rows, slots.to(torch.int32))
-        c.slot_rows.index_copy_(0, slots, rows)
-        c.dirty.index_fill_(0, slots, False)
+        self._mover.load(self._backing_rows(i), rows, self._slot_rows(i), slots)
+        self._caches[i].filled(rows, slots)
 
     @torch.no_grad()
     def _write_back(self, i: int, slots: torch.Tensor) -> None:
@@ -406,74 +306,38 @@ class CachedEmbeddingBagCollection(nn.Module):
         slots = slots.long().contiguous()
         rows = c.slot_rows.index_select(0, slots)
         backing, k = self._backing(i)
-        cache, ck = self._slots(), self._slot_home[i]
         # The draws the kernel would make for these rows at this iteration (the kernel
-        # itself never updates them at this iteration: they are idle), drawn, encoded and
-        # scattered row by row in one pass (ops.store_rows).
+        # itself never updates them at this iteration: they are idle).
         sl = backing.slices[k]
         stochastic = backing.stochastic_rounding and t.precision is not Precision.FP32
         flags = [int(stochastic), backing.seed, backing.iteration, sl.row_key(), sl.col_start]
-        ops.store_rows(
-            cache._table_rows(ck), slots, backing._table_rows(k), rows, t.precision.value, flags
-        )
-        dst = backing._table_state(k)
-        for name, src in cache._table_state(ck).items():
-            dst[name].index_copy_(0, rows, src.index_select(0, slots))
+        self._mover.store(self._slot_rows(i), slots, self._backing_rows(i), rows, flags)
 
     def _evict(self, i: int, victims: torch.Tensor) -> None:
         c = self._caches[i]
-        dirty = victims.masked_select(c.dirty.index_select(0, victims))
+        dirty = c.dirty_among(victims)
         if dirty.numel():
             self._write_back(i, dirty)
-        c.counters[3] += victims.numel()
-        c.counters[4] += dirty.numel()
-        c.row_slot.index_fill_(0, c.slot_rows.index_select(0, victims), -1)
-        c.slot_rows.index_fill_(0, victims, -1)
-        c.dirty.index_fill_(0, victims, False)
+        c.evicted(victims, dirty.numel())
 
     def _admit(self, i: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One training batch's policy step for table ``i``; its unique rows and slots."""
         c = self._caches[i]
-        if self.check_bounds and self.tables[i].num_embeddings <= 2**31:
-            # checked ids fit int32, whose sort is about twice as fast; same rows, counts
-            ordered = torch.sort(ids.to(torch.int32)).values
-            uniq32, counts = torch.unique_consecutive(ordered, return_counts=True)
-            uniq = uniq32.long()
-        else:
-            uniq, counts = torch.unique(ids, return_counts=True)  # rows ascending
-        slots = c.row_slot.index_select(0, uniq).long()
-        hit = slots >= 0
-        hits = int(torch.where(hit, counts, 0).sum())
-        c.counters[1] += hits
-        c.counters[2] += ids.numel() - hits  # the counts add up to the ids
-        if c.policy is CachePolicy.LFU:
-            c.freq.index_add_(0, uniq, counts)
-        # slot -1 (a miss) marks the extra last entry, dropped: no mask of the hits needed
-        busy = torch.zeros(c.capacity + 1, dtype=torch.bool)
-        busy.index_fill_(0, slots, True)
-        miss = torch.nonzero(~hit).flatten()
-        plan = plan_admission(
-            c.policy,
-            miss_rows=uniq.index_select(0, miss),
-            miss_counts=counts.index_select(0, miss),
-            slot_rows=c.slot_rows,
-            busy=busy[:-1],
-            last_used=c.last_used,
-            freq=c.freq,
-        )
+        fits = self.check_bounds and self.tables[i].num_embeddings <= 2**31
+        uniq, counts = unique_rows(ids, fits_int32=fits)
+        slots, plan = c.plan_batch(ids, uniq, counts)
         if self.placements[i] is Placement.SSD:
             # every backing row this step reads or writes: the misses (admitted ones are
             # read now, the others by the kernels) and the dirty victims' rows
-            dirty = plan.victims.masked_select(c.dirty.index_select(0, plan.victims))
-            self._prefetch(i, torch.cat([uniq.index_select(0, miss), c.slot_rows[dirty]]))
+            dirty = c.dirty_among(plan.victims)
+            misses = uniq.masked_select(slots < 0)
+            self._prefetch(i, torch.cat([misses, c.slot_rows[dirty]]))
         if plan.victims.numel():
             self._evict(i, plan.victims)
         if plan.rows.numel():
             self._fill(i, plan.rows, plan.slots)
-            slots = c.row_slot.index_select(0, uniq).long()
-        if c.policy is CachePolicy.LRU:
-            c.last_used.index_fill_(0, slots.masked_select(slots >= 0), c.counters[0])
-        c.counters[0] += 1
+            slots = c.slots_of(uniq)
+        c.used(slots)
         return uniq, slots
 
     def _prefetch(self, i: int, rows: torch.Tensor) -> None:
@@ -492,7 +356,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         tables (what ``state_dict`` saves).
         """
         for i, c in self._caches.items():
-            occupied = torch.nonzero(c.slot_rows >= 0).flatten()
+            occupied = c.occupied()
             dirty = occupied[c.dirty[occupied]]
             if dirty.numel():
                 self._write_back(i, dirty)  # also copies the state of these slots
@@ -503,22 +367,17 @@ class CachedEmbeddingBagCollection(nn.Module):
     @torch.no_grad()
     def _copy_state_back(self, i: int, slots: torch.Tensor) -> None:
         rows = self._caches[i].slot_rows[slots]
-        backing, k = self._backing(i)
-        dst = backing._table_state(k)
-        for name, src in self._slots()._table_state(self._slot_home[i]).items():
-            dst[name][rows] = src[slots]
+        self._mover.copy_state_back(self._slot_rows(i), slots, self._backing_rows(i), rows)
 
     @torch.no_grad()
     def _refresh_cached_state(self) -> None:
         """Copy the backing state of every cached row into its slot (after a load)."""
         for i, c in self._caches.items():
-            slots = torch.nonzero(c.slot_rows >= 0).flatten()
+            slots = c.occupied()
             if not slots.numel():
                 continue
-            backing, k = self._backing(i)
-            src = backing._table_state(k)
-            for name, dst in self._slots()._table_state(self._slot_home[i]).items():
-                dst[slots] = src[name][c.slot_rows[slots]]
+            rows = c.slot_rows[slots]
+            self._mover.refresh_state(self._backing_rows(i), rows, self._slot_rows(i), slots)
 
     # -- the embedding-module protocol ----------------------------------------------------
 
@@ -578,29 +437,10 @@ class CachedEmbeddingBagCollection(nn.Module):
             raise ValueError("per-id weights are supported with sum pooling only")
         return self._route(features, admit=admit)
 
-    def _check_ids(
-        self, t: TableConfig, ids: torch.Tensor, features: range, starts: list[int]
-    ) -> None:
-        """Raise for an id of table ``t`` outside it, naming the feature (one check per table)."""
-        if not self.check_bounds or not ids.numel():
-            return
-        lo, hi = (int(x) for x in torch.aminmax(ids))
-        if lo >= 0 and hi < t.num_embeddings:
-            return
-        bad = lo if lo < 0 else hi
-        first = starts[features[0]]  # ids holds the table's features back to back
-        f = next(
-            g for g in features if (ids[starts[g] - first : starts[g + 1] - first] == bad).any()
-        )
-        raise ValueError(
-            f"feature {self.feature_names[f]!r}: id {bad} is outside its table {t.name!r} "
-            f"of {t.num_embeddings} rows (valid ids are 0..{t.num_embeddings - 1})"
-        )
-
     def _route(self, features: SparseFeatures, *, admit: bool) -> CacheRoute:
         batch, lengths = features.batch_size, features.lengths.long()
         local = features.values.long().clone()  # (N,) becomes slot or row per id
-        dest = torch.full_like(local, _RAM, dtype=torch.int8)
+        dest = torch.full_like(local, RAM, dtype=torch.int8)
         starts = [0]
         for n in features.value_counts_host():
             starts.append(starts[-1] + n)
@@ -609,48 +449,30 @@ class CachedEmbeddingBagCollection(nn.Module):
         for i, t in enumerate(self.tables):
             f0, f = f, f + len(t.feature_names)
             seg = slice(starts[f0], starts[f])
-            home = _SSD if self.placements[i] is Placement.SSD else _RAM
+            home = SSD if self.placements[i] is Placement.SSD else RAM
             dest[seg] = home
             if i not in self._caches:
                 continue
             ids = local[seg]
-            self._check_ids(t, ids, range(f0, f), starts)
+            if self.check_bounds:
+                check_table_ids(t, ids, range(f0, f), starts, self.feature_names)
             if admit:
                 rows, slots = self._admit(i, ids)
                 touched.append((i, rows, slots.to(torch.int32)))
             slot = self._caches[i].row_slot[ids].long()
             hit = slot >= 0
-            dest[seg] = torch.where(hit, _CACHE, home).to(torch.int8)
+            dest[seg] = torch.where(hit, CACHE, home).to(torch.int8)
             local[seg] = torch.where(hit, slot, ids)
         nf = len(self.feature_names)
-        ends = torch.cumsum(lengths, 0)  # (F*B,) one past each bag's last id
-        values, part_lengths, masks = [], [], []
-        for part in self._parts:
-            mask = dest == part.kind
-            # ids of this part per bag: differences of the mask's running count
-            taken = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(mask, 0)])
-            counts = torch.diff(taken[ends], prepend=taken[:1]).view(nf, batch)
-            values.append(local[mask])
-            part_lengths.append(counts[part.features].reshape(-1))
-            masks.append(mask)
+        values, part_lengths, masks = split_over_parts(self._parts, local, dest, lengths, nf, batch)
         return CacheRoute(
             batch=batch,
             values=values,
             lengths=part_lengths,
             masks=masks,
-            divisor=self._divisor(lengths, batch),
+            divisor=bag_divisor(self.tables, self._means, lengths, batch),
             touched=touched,
         )
-
-    def _divisor(self, lengths: torch.Tensor, batch: int) -> torch.Tensor | None:
-        """``(B, sum D)``: each bag's length on mean-pooled columns, 1 elsewhere."""
-        if not any(self._means):
-            return None
-        mean = [m for t, m in zip(self.tables, self._means) for _ in t.feature_names]
-        per_bag = lengths.view(len(mean), batch).t().float().clamp(min=1)  # (B, F)
-        per_bag[:, [f for f, m in enumerate(mean) if not m]] = 1.0
-        dims = torch.tensor(self.feature_dims)
-        return torch.repeat_interleave(per_bag, dims, dim=1)
 
     def pooled_lookup(self, route: CacheRoute, psw: torch.Tensor | None) -> torch.Tensor:
         """The pooled rows of a routed batch: the forward, without autograd.
@@ -665,7 +487,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         out = torch.zeros(route.batch, sum(self.feature_dims))  # (B, sum D)
         # Backing parts first, then the cache: an all-cached (or all-uncached) bag is
         # 0 + its one part's sum, exactly what the uncached collection computes.
-        for p in sorted(range(len(self._parts)), key=lambda p: self._parts[p].kind == _CACHE):
+        for p in sorted(range(len(self._parts)), key=lambda p: self._parts[p].kind == CACHE):
             part = self._parts[p]
             w = psw[route.masks[p]] if psw is not None else None
             pooled = part.module.pooled_lookup(route.values[p], route.lengths[p], w)
@@ -752,7 +574,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             g = g / route.divisor  # as apply_gradients divides it
         rows, shares = [], []
         for p, part in enumerate(self._parts):
-            if part.kind == _CACHE:
+            if part.kind == CACHE:
                 if table not in self._slot_home:
                     continue
                 k = self._slot_home[table]
@@ -765,7 +587,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                 k, g.index_select(1, part.columns), route.values[p], route.lengths[p], w,
                 weight_decay,
             )  # fmt: skip
-            if part.kind == _CACHE:
+            if part.kind == CACHE:
                 got = self._caches[table].slot_rows[got]  # slots -> their rows
             rows.append(got)
             shares.append(share)
@@ -835,7 +657,7 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def memory(self) -> CacheMemory:
         """Bytes by tier (rows in their stored precision, FP32 state, metadata)."""
-        sizes = {_CACHE: [0, 0], _RAM: [0, 0], _SSD: [0, 0]}
+        sizes = {CACHE: [0, 0], RAM: [0, 0], SSD: [0, 0]}
         for part in self._parts:
             m = part.module
             sizes[part.kind][0] += sum(w.numel() * w.element_size() for w in m.storages())
@@ -843,12 +665,12 @@ class CachedEmbeddingBagCollection(nn.Module):
                 s.numel() * 4 for st in range(len(m._stores)) for s in m._states(st)
             )
         return CacheMemory(
-            backing_ram=sizes[_RAM][0],
-            backing_ssd=sizes[_SSD][0],
-            backing_state_ram=sizes[_RAM][1],
-            backing_state_ssd=sizes[_SSD][1],
-            cache_rows=sizes[_CACHE][0],
-            cache_state=sizes[_CACHE][1],
+            backing_ram=sizes[RAM][0],
+            backing_ssd=sizes[SSD][0],
+            backing_state_ram=sizes[RAM][1],
+            backing_state_ssd=sizes[SSD][1],
+            cache_rows=sizes[CACHE][0],
+            cache_state=sizes[CACHE][1],
             metadata=sum(c.metadata_bytes() for c in self._caches.values()),
         )
 
@@ -880,7 +702,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                 self._copy_state_back(i, slots)
         out: dict[str, dict[str, torch.Tensor]] = {}
         for part in self._parts:
-            if part.kind != _CACHE:
+            if part.kind != CACHE:
                 out.update(part.module.optimizer_state())
         return {t.name: out[t.name] for t in self.tables}
 
@@ -896,7 +718,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                 f"optimizer state for tables {sorted(state)}, this module has {sorted(names)}"
             )
         for part in self._parts:
-            if part.kind != _CACHE:
+            if part.kind != CACHE:
                 mine = {t.name for t in part.module.tables}
                 part.module.load_optimizer_state({n: state[n] for n in mine})
         self._refresh_cached_state()
@@ -913,11 +735,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         destination[f"{prefix}rounding"] = torch.tensor([self.seed, self.iteration])
         for i, c in self._caches.items():
             key = f"{prefix}cache.{self.tables[i].name}."
-            destination[key + "slot_rows"] = c.slot_rows.clone()
-            destination[key + "dirty"] = c.dirty.clone()
-            destination[key + "last_used"] = c.last_used.clone()
-            destination[key + "freq"] = c.freq.clone()
-            destination[key + "counters"] = torch.tensor(c.counters, dtype=torch.int64)
+            destination.update({key + n: v for n, v in c.saved().items()})
             if c.capacity:
                 rows = self._slots()._table_rows(self._slot_home[i])
                 destination[key + "rows"] = rows.detach().clone()
@@ -946,9 +764,8 @@ class CachedEmbeddingBagCollection(nn.Module):
                 part.module.seed, part.module.iteration = self.seed, iteration
         for i in self._caches:
             key = f"{prefix}cache.{self.tables[i].name}."
-            names = ("slot_rows", "dirty", "last_used", "freq", "counters")
-            found = {n: state_dict.get(key + n) for n in (*names, "rows")}
-            expected.update(key + n for n in (*names, "rows"))
+            found = {n: state_dict.get(key + n) for n in (*SlotMap.SAVED, "rows")}
+            expected.update(key + n for n in found)
             self._load_cache(i, found)
         self._refresh_cached_state()
         for key in state_dict:
@@ -960,7 +777,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         """Restore table ``i``'s cache, or rebuild it from the backing rows if not saved."""
         c = self._caches[i]
         pinned = c.slot_rows.clone()
-        fresh = _TableCache(c.capacity, self.tables[i].num_embeddings, c.policy)
+        fresh = SlotMap(c.capacity, self.tables[i].num_embeddings, c.policy)
         self._caches[i] = fresh
         slot_rows = saved["slot_rows"]
         if slot_rows is None:  # no cache in the checkpoint: start empty (static: re-pin)
@@ -968,41 +785,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                 keep = pinned[pinned >= 0]
                 self._fill(i, keep, torch.arange(keep.numel()))
             return
-        for name in ("slot_rows", "dirty", "last_used", "freq"):
-            value, dst = saved[name], getattr(fresh, name)
-            if value is None or value.shape != dst.shape:
-                got = None if value is None else tuple(value.shape)
-                raise ValueError(
-                    f"table {self.tables[i].name!r}: the checkpoint's cache.{name} is {got}, "
-                    f"this cache ({fresh.capacity} slots, policy {c.policy.value!r}) "
-                    f"needs {tuple(dst.shape)}"
-                )
-            dst.copy_(value)
-        counters = saved["counters"]
-        assert counters is not None
-        fresh.counters = [int(x) for x in counters.tolist()]
-        occupied = torch.nonzero(fresh.slot_rows >= 0).flatten()
-        fresh.row_slot[fresh.slot_rows[occupied]] = occupied.to(torch.int32)
+        fresh.restore(saved, self.tables[i].name)
         rows = saved["rows"]
         if c.capacity and rows is not None:
             self._slots()._table_rows(self._slot_home[i]).copy_(rows)
-
-
-def _resolve_placements(
-    tables: Sequence[TableConfig], given: Mapping[str, Placement | str]
-) -> tuple[Placement, ...]:
-    names = {t.name for t in tables}
-    unknown = sorted(set(given) - names)
-    if unknown:
-        raise ValueError(f"placements name unknown tables {unknown}; tables: {sorted(names)}")
-    out = []
-    for t in tables:
-        p = Placement.parse(given.get(t.name, Placement.CACHED))
-        if p not in _PLACEMENTS:
-            valid = ", ".join(x.value for x in _PLACEMENTS)
-            raise ValueError(
-                f"table {t.name!r}: placement {p.value!r} is not available on CPU "
-                f"(the device cache needs a GPU); valid: {valid}"
-            )
-        out.append(p)
-    return tuple(out)
