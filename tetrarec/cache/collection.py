@@ -5,28 +5,24 @@ The mixed-precision-embedding recipe: most rows are stored and trained in the ta
 where they are looked up and trained in FP32. The same protocol as
 ``FusedEmbeddingBagCollection`` (forward, ``fused_optimizer``, state dicts keyed by table
 and row, the same initial rows for the same seed), built from unchanged fused
-collections::
-
-    part "cache"   FusedEmbeddingBagCollection, FP32, table t has C_t rows = slots
-                   (+ the slots' optimizer state: the live state of cached rows)
-    part "ram"     FusedEmbeddingBagCollection of the host and cached tables, each in
-                   its precision (+ FP32 state of every row), in process memory
-    part "ssd"     the same for ssd tables, its flat storages memory-mapped files
-
-Where a table's rows live (``Placement``): ``host`` = all in "ram", no cache (exactly
-``FusedEmbeddingBagCollection``); ``cached`` = cache + "ram"; ``ssd`` = cache + "ssd".
+collections, its "parts" (``parts.py``): "cache" (the FP32 slots, on the run device),
+"ram" (backing rows in process memory), "ssd" (backing rows in memory-mapped files) and,
+on a GPU, "device" (uncached ``device`` tables). Placements: ``host`` = in "ram", no
+cache (exactly ``FusedEmbeddingBagCollection``); ``cached`` = cache + "ram"; ``ssd`` =
+cache + "ssd".
 
 A training batch flows as::
 
-    1. per cached table: unique ids; hits and misses counted; the policy
-       (``policy.py``) admits misses, evicting idle victims: a victim updated since its
-       admission is written back (FP32 -> stored precision, stochastic rounding drawn
-       as the kernel would for that row at this iteration; state copied back); an
-       admitted row is decoded into its slot with its state
-    2. each id goes to one part: its slot in "cache" (hit) or its row in its backing
-       part; the bags keep their boundaries (a part's bag holds its share of the ids)
-    3. each part pools its ids (``tbe_forward``; every part pools as sum); the outputs
-       add up column by column; mean-pooled columns are divided by the whole bag length
+    1. per cached table (on the host): unique ids; hits and misses counted; the policy
+       (``policy.py``, ``slot_map.py``) admits misses, evicting idle victims: a victim
+       updated since its admission is written back (FP32 -> stored precision,
+       stochastic rounding drawn as the kernel would for that row at this iteration;
+       state copied back); an admitted row is decoded into its slot with its state
+       (``movement.py``)
+    2. each id goes to one part (``route.py``): its slot in "cache" (hit) or its row in
+       its backing part; a part's bag holds its share of the bag's ids
+    3. each part pools its ids (``tbe_forward``, as sum); the outputs add up column by
+       column, backing parts first; mean-pooled columns are divided by the bag length
     4. backward: the output gradient (mean columns divided by the bag length) goes to
        every part's ``tbe_backward_update``: cached rows train in FP32 in their slots,
        uncached rows in their stored precision; the cached rows become dirty
@@ -37,26 +33,29 @@ a data-parallel table route the global batch and pool their own samples,
 (3) and ``apply_gradients`` (4). Column blocks of a row-wise optimizer also read
 ``row_gradient_shares`` and write ``add_to_row_state_`` (``sharding/block_group.py``).
 
+On a GPU (``device=``, issue 11) the slots live in device memory and everything else on
+the host: the batch's ids come to the host once, the policy and routing run there, the
+cache part's ids go back once; admissions and write-backs move their rows through host
+staging buffers (``movement.StagedRows``, bitwise the CPU cache's stored rows); the host
+parts' pooled rows and gradients cross once each, and not at all when every id of the
+batch is cached. ``force_staged_copies=True`` runs that path on the CPU (the tests).
+
 Host syncs: the policy step decides on the host (``torch.unique``, counts, the bounds
-check), so a training forward syncs once per cached table; on CPU that costs nothing,
-on a device it is what part 2's device cache must batch.
+check): a training forward syncs once for the ids, and once per write-back on a device.
 
 Optimizer state follows the row: the slot's state is live while the row is cached, the
-backing state otherwise (``CacheMemory`` counts both). A row is in exactly one part
-during a batch, so each row gets exactly one update per step. Deterministic: the
-policy's ties are broken by row id, the kernels are deterministic, and write-back
-rounding is a function of ``(seed, iteration, row, column)``.
+backing state otherwise. A row is in exactly one part during a batch, so each row gets
+exactly one update per step. Deterministic: the policy's ties are broken by row id, the
+kernels are deterministic, and write-back rounding is a function of ``(seed,
+iteration, row, column)``.
 
 Checkpoints: ``state_dict()`` and ``fused_optimizer.state_dict()`` first ``flush()``:
 dirty cached rows are written back (rounded copies) and cached state copied back, so
 ``weights.<table>`` is the complete table in its stored precision, in exactly the
-layout ``FusedEmbeddingBagCollection`` saves. Flushing does not change training: the
-FP32 rows stay cached and dirty (eviction rewrites them from FP32 at its own
-iteration), and a backing copy of a cached row is never read while it is cached. The
-state dict also holds ``cache.<table>.*`` (the slot map, the FP32 cached rows, dirty
-flags, policy state and counters), so a resumed run equals an uninterrupted one
-bitwise; without them (a checkpoint of an uncached collection) the caches start empty
-(``static``: reloaded with their pinned rows).
+layout ``FusedEmbeddingBagCollection`` saves. Flushing does not change training (the
+FP32 rows stay cached and dirty). The state dict also holds ``cache.<table>.*`` (slot
+map, FP32 cached rows, policy state, counters), so a resumed run equals an
+uninterrupted one bitwise; without them the caches start empty (``static``: re-pinned).
 """
 
 from __future__ import annotations
@@ -70,11 +69,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from tetrarec.cache.checkpoint import load_state, save_state
 from tetrarec.cache.config import CacheSpec
 from tetrarec.cache.files import prefetch_rows
-from tetrarec.cache.movement import InPlaceRows, TableRows
+from tetrarec.cache.movement import InPlaceRows, RowMover, StagedRows, TableRows
 from tetrarec.cache.parts import (
     CACHE,
+    DEV,
+    HOME_KIND,
     RAM,
     SSD,
     Part,
@@ -95,13 +97,10 @@ from tetrarec.embedding import (
 )
 from tetrarec.kernels import FusedEmbeddingBagCollection, FusedOptimizer
 from tetrarec.kernels.quant import decode_rows
-from tetrarec.kernels.tbe import load_table_rows
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures, permute_keys
 from tetrarec.types import Placement, PoolingMode, Precision
 
 __all__ = ["CacheRoute", "CachedEmbeddingBagCollection"]
-
-_PLACEMENTS = (Placement.HOST, Placement.CACHED, Placement.SSD)
 
 
 class _CachedLookup(torch.autograd.Function):
@@ -135,8 +134,10 @@ class CachedEmbeddingBagCollection(nn.Module):
         optimizer: the fused rule, applied to cached rows in FP32 and to the others in
             their stored precision.
         cache: policy, size and SSD directory.
-        placements: ``{table name: placement}`` (``host``, ``cached`` or ``ssd``);
-            tables not named are ``cached``.
+        placements: ``{table name: placement}`` (``host``, ``cached`` or ``ssd``; and
+            ``device`` when ``device`` is not the CPU: uncached rows in device memory);
+            tables not named are ``cached``. ``host`` tables are uncached, in host
+            memory, on any ``device``.
         static_counts: ``{table name: (rows,) counts}`` from a data sample
             (``count_ids``); required by the ``static`` policy for every cached table.
         check_bounds: raise ``ValueError`` for an id outside its table.
@@ -149,10 +150,18 @@ class CachedEmbeddingBagCollection(nn.Module):
         fractions: ``{table name: fraction}``: slots of the named cached tables as a
             fraction of their rows, instead of ``cache``'s size (a plan's per-table
             choice).
+        device: the run device (default CPU). The FP32 slots and their optimizer state
+            (part "cache") are built there, and lookups return there; the backing rows,
+            the slot maps and the policy stay in host memory (issue 11's device cache:
+            ``docs/design/cache.md``, "On a GPU").
+        force_staged_copies: move rows between slots and backing rows through host
+            staging buffers, as a device cache must, even when ``device`` is the CPU
+            (bitwise the same results as the in-place CPU path). For tests: it runs the
+            device cache's code on a machine without a GPU. Not a run-config setting.
 
     Raises:
-        ValueError: for an unknown placement or table name, ``device`` placement (no
-            device cache on CPU), or missing static counts.
+        ValueError: for an unknown placement or table name, ``device`` placement on the
+            CPU, a ``meta`` device, or missing static counts.
 
     Example:
         >>> spec = SparseOptimizerSpec(kind="sgd", lr=0.1)
@@ -176,6 +185,8 @@ class CachedEmbeddingBagCollection(nn.Module):
         seed: int | None = None,
         slices: Sequence[TableSlice] | None = None,
         fractions: Mapping[str, float] | None = None,
+        device: torch.device | str | None = None,
+        force_staged_copies: bool = False,
     ) -> None:
         super().__init__()
         self.tables = tuple(tables)
@@ -190,7 +201,11 @@ class CachedEmbeddingBagCollection(nn.Module):
         self.cache_spec = cache
         self.check_bounds = check_bounds
         self.seed = draw_seed() if seed is None else seed
-        self.placements = resolve_placements(self.tables, placements or {})
+        #: The run device: the FP32 slots (part "cache") and the output live there.
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        if self.device.type == "meta":
+            raise ValueError("device: a cached collection holds rows; 'meta' is not a device")
+        self.placements = resolve_placements(self.tables, placements or {}, self.device)
         capacity = resolve_capacities(
             self.tables, self.placements, cache, optimizer, fractions or {}
         )
@@ -209,7 +224,8 @@ class CachedEmbeddingBagCollection(nn.Module):
             "stochastic_rounding": stochastic_rounding,
             "seed": self.seed,
         }
-        self._mover = InPlaceRows()
+        staged = force_staged_copies or self.device.type != "cpu"
+        self._mover: RowMover = StagedRows(self.device) if staged else InPlaceRows()
         layout = build_parts(
             self.tables,
             self.slices,
@@ -218,6 +234,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             optimizer,
             cache.directory,
             fused,
+            self.device,
         )
         self._parts: list[Part] = layout.parts
         self._home = layout.home  # table -> (backing part, local index)
@@ -438,8 +455,10 @@ class CachedEmbeddingBagCollection(nn.Module):
         return self._route(features, admit=admit)
 
     def _route(self, features: SparseFeatures, *, admit: bool) -> CacheRoute:
-        batch, lengths = features.batch_size, features.lengths.long()
-        local = features.values.long().clone()  # (N,) becomes slot or row per id
+        # The policy and the routing run on the host: the batch's ids and lengths come
+        # over once (no copy on the CPU), the parts' ids go back once per device part.
+        batch, lengths = features.batch_size, features.lengths.cpu().long()
+        local = features.values.cpu().long().clone()  # (N,) becomes slot or row per id
         dest = torch.full_like(local, RAM, dtype=torch.int8)
         starts = [0]
         for n in features.value_counts_host():
@@ -449,7 +468,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         for i, t in enumerate(self.tables):
             f0, f = f, f + len(t.feature_names)
             seg = slice(starts[f0], starts[f])
-            home = SSD if self.placements[i] is Placement.SSD else RAM
+            home = HOME_KIND[self.placements[i]]
             dest[seg] = home
             if i not in self._caches:
                 continue
@@ -465,14 +484,24 @@ class CachedEmbeddingBagCollection(nn.Module):
             local[seg] = torch.where(hit, slot, ids)
         nf = len(self.feature_names)
         values, part_lengths, masks = split_over_parts(self._parts, local, dest, lengths, nf, batch)
+        divisor = bag_divisor(self.tables, self._means, lengths, batch)
         return CacheRoute(
             batch=batch,
-            values=values,
-            lengths=part_lengths,
+            values=[v.to(part.device) for v, part in zip(values, self._parts)],
+            lengths=[n.to(part.device) for n, part in zip(part_lengths, self._parts)],
             masks=masks,
-            divisor=bag_divisor(self.tables, self._means, lengths, batch),
+            divisor=divisor.to(self.device) if divisor is not None else None,
             touched=touched,
         )
+
+    def _part_weights(
+        self, psw: torch.Tensor | None, route: CacheRoute, p: int
+    ) -> torch.Tensor | None:
+        """Part ``p``'s share of the per-id weights, on its device (``None``: unweighted)."""
+        if psw is None:
+            return None
+        dev = self._parts[p].device
+        return psw.to(dev)[route.masks[p].to(dev, non_blocking=True)]
 
     def pooled_lookup(self, route: CacheRoute, psw: torch.Tensor | None) -> torch.Tensor:
         """The pooled rows of a routed batch: the forward, without autograd.
@@ -484,14 +513,19 @@ class CachedEmbeddingBagCollection(nn.Module):
         Returns:
             ``(B, sum D)`` pooled rows, columns in ``feature_names`` order.
         """
-        out = torch.zeros(route.batch, sum(self.feature_dims))  # (B, sum D)
+        out = torch.zeros(route.batch, sum(self.feature_dims), device=self.device)  # (B, sum D)
         # Backing parts first, then the cache: an all-cached (or all-uncached) bag is
-        # 0 + its one part's sum, exactly what the uncached collection computes.
+        # 0 + its one part's sum, exactly what the uncached collection computes. A part
+        # with no id in this batch adds only zeros: skipped (on a device cache, a batch
+        # that hits or admits every id never touches the host parts).
         for p in sorted(range(len(self._parts)), key=lambda p: self._parts[p].kind == CACHE):
             part = self._parts[p]
-            w = psw[route.masks[p]] if psw is not None else None
+            if not route.values[p].numel():
+                continue
+            w = self._part_weights(psw, route, p)
             pooled = part.module.pooled_lookup(route.values[p], route.lengths[p], w)
-            out.index_add_(1, part.columns, pooled)
+            # a host part's pooled rows go to the device in one copy
+            out.index_add_(1, part.columns, pooled.to(self.device, non_blocking=True))
         if route.divisor is not None:
             out.div_(route.divisor)  # the kernel's mean: the sum divided by the length
         return out
@@ -532,13 +566,19 @@ class CachedEmbeddingBagCollection(nn.Module):
             g = g / route.divisor  # the kernel's mean backward: gradient over the length
         psw_grad = torch.zeros_like(psw) if psw is not None and want_psw else None
         for p, part in enumerate(self._parts):
-            w = psw[route.masks[p]] if psw is not None else None
+            if not route.values[p].numel():
+                # nothing to update; the rounding stream still advances, as the
+                # kernel's own call would advance it
+                part.module.iteration += 1
+                continue
+            w = self._part_weights(psw, route, p)
             out = part.module.apply_gradients(
-                g.index_select(1, part.columns), route.values[p], route.lengths[p], w,
-                want_psw=psw_grad is not None,
+                g.index_select(1, part.columns).to(part.device), route.values[p],
+                route.lengths[p], w, want_psw=psw_grad is not None,
             )  # fmt: skip
             if psw_grad is not None and out is not None:
-                psw_grad[route.masks[p]] = out
+                mask = route.masks[p].to(psw_grad.device, non_blocking=True)
+                psw_grad[mask] = out.to(psw_grad.device)
         for i, _, slots in route.touched:
             self._caches[i].dirty[slots[slots >= 0].long()] = True
         return psw_grad
@@ -582,18 +622,20 @@ class CachedEmbeddingBagCollection(nn.Module):
                 home, k = self._home[table]
                 if home != p:
                     continue
-            w = psw[route.masks[p]] if psw is not None else None
+            w = self._part_weights(psw, route, p)
             got, share = part.module.row_gradient_shares(
-                k, g.index_select(1, part.columns), route.values[p], route.lengths[p], w,
-                weight_decay,
+                k, g.index_select(1, part.columns).to(part.device), route.values[p],
+                route.lengths[p], w, weight_decay,
             )  # fmt: skip
+            got, share = got.cpu(), share.cpu()
             if part.kind == CACHE:
                 got = self._caches[table].slot_rows[got]  # slots -> their rows
             rows.append(got)
             shares.append(share)
         every = torch.cat(rows)
         order = torch.argsort(every)  # a row is in one part: unique
-        return every[order], torch.cat(shares)[order]
+        out = grad_out.device
+        return every[order].to(out), torch.cat(shares)[order].to(out)
 
     @torch.no_grad()
     def add_to_row_state_(
@@ -619,13 +661,16 @@ class CachedEmbeddingBagCollection(nn.Module):
         if name not in state or state[name].shape[1] != 1:
             per_row = sorted(n for n, v in state.items() if v.shape[1] == 1)
             raise ValueError(f"{name!r} is not a per-row optimizer state; per-row: {per_row}")
+        rows, delta = rows.cpu(), delta.cpu()  # the slot map is on the host
         c = self._caches.get(table)
         slots = c.row_slot[rows].long() if c is not None else torch.full_like(rows, -1)
         hit = slots >= 0
         if bool(hit.any()):
             cached = self._slots()._table_state(self._slot_home[table])[name]
-            cached[:, 0].index_add_(0, slots[hit], delta[hit])
-        state[name][:, 0].index_add_(0, rows[~hit], delta[~hit])
+            dev = cached.device
+            cached[:, 0].index_add_(0, slots[hit].to(dev), delta[hit].to(dev))
+        dev = state[name].device  # the host, but for a `device` table
+        state[name][:, 0].index_add_(0, rows[~hit].to(dev), delta[~hit].to(dev))
 
     # -- what the trainer reads -------------------------------------------------------------
 
@@ -657,7 +702,7 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def memory(self) -> CacheMemory:
         """Bytes by tier (rows in their stored precision, FP32 state, metadata)."""
-        sizes = {CACHE: [0, 0], RAM: [0, 0], SSD: [0, 0]}
+        sizes = {CACHE: [0, 0], RAM: [0, 0], SSD: [0, 0], DEV: [0, 0]}
         for part in self._parts:
             m = part.module
             sizes[part.kind][0] += sum(w.numel() * w.element_size() for w in m.storages())
@@ -672,19 +717,26 @@ class CachedEmbeddingBagCollection(nn.Module):
             cache_rows=sizes[CACHE][0],
             cache_state=sizes[CACHE][1],
             metadata=sum(c.metadata_bytes() for c in self._caches.values()),
+            backing_device=sizes[DEV][0],
+            backing_state_device=sizes[DEV][1],
+            cache_device=self.device.type,
         )
 
     def table_weights(self) -> dict[str, torch.Tensor]:
-        """``{table: (rows, dim) FP32}``: the backing rows, cached rows from the cache."""
+        """``{table: (rows, dim) FP32}``: the backing rows, cached rows from the cache.
+
+        On the host (cached rows copied from the device), but for ``device`` tables,
+        whose rows stay on the device.
+        """
         out = {}
         for i, t in enumerate(self.tables):
             backing, k = self._backing(i)
             w = decode_rows(backing._table_rows(k), t.precision, t.dim)
             c = self._caches.get(i)
             if c is not None and c.capacity:
-                slots = torch.nonzero(c.slot_rows >= 0).flatten()
+                slots = c.occupied()
                 rows = self._slots()._table_rows(self._slot_home[i])
-                w[c.slot_rows[slots]] = rows[slots]
+                w[c.slot_rows[slots]] = rows[slots.to(rows.device)].to(w.device)
             out[t.name] = w
         return out
 
@@ -723,22 +775,12 @@ class CachedEmbeddingBagCollection(nn.Module):
                 part.module.load_optimizer_state({n: state[n] for n in mine})
         self._refresh_cached_state()
 
-    # -- state dict -----------------------------------------------------------------------
+    # -- state dict (checkpoint.py) ------------------------------------------------------
 
     def _save_to_state_dict(
         self, destination: dict[str, Any], prefix: str, keep_vars: bool
     ) -> None:
-        self.flush()
-        for i, t in enumerate(self.tables):
-            backing, k = self._backing(i)
-            destination[f"{prefix}weights.{t.name}"] = backing._table_rows(k).detach()
-        destination[f"{prefix}rounding"] = torch.tensor([self.seed, self.iteration])
-        for i, c in self._caches.items():
-            key = f"{prefix}cache.{self.tables[i].name}."
-            destination.update({key + n: v for n, v in c.saved().items()})
-            if c.capacity:
-                rows = self._slots()._table_rows(self._slot_home[i])
-                destination[key + "rows"] = rows.detach().clone()
+        save_state(self, destination, prefix)
 
     def _load_from_state_dict(
         self,
@@ -750,42 +792,4 @@ class CachedEmbeddingBagCollection(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        rows = {}
-        for i, t in enumerate(self.tables):
-            backing, k = self._backing(i)
-            rows[f"{prefix}weights.{t.name}"] = backing._table_rows(k)
-        load_table_rows(state_dict, rows, missing_keys, error_msgs)
-        expected = set(rows)
-        expected.add(f"{prefix}rounding")
-        rounding = state_dict.get(f"{prefix}rounding")
-        if rounding is not None:
-            self.seed, iteration = (int(x) for x in rounding.tolist())
-            for part in self._parts:
-                part.module.seed, part.module.iteration = self.seed, iteration
-        for i in self._caches:
-            key = f"{prefix}cache.{self.tables[i].name}."
-            found = {n: state_dict.get(key + n) for n in (*SlotMap.SAVED, "rows")}
-            expected.update(key + n for n in found)
-            self._load_cache(i, found)
-        self._refresh_cached_state()
-        for key in state_dict:
-            if key.startswith(prefix) and key not in expected:
-                unexpected_keys.append(key)
-
-    @torch.no_grad()
-    def _load_cache(self, i: int, saved: Mapping[str, torch.Tensor | None]) -> None:
-        """Restore table ``i``'s cache, or rebuild it from the backing rows if not saved."""
-        c = self._caches[i]
-        pinned = c.slot_rows.clone()
-        fresh = SlotMap(c.capacity, self.tables[i].num_embeddings, c.policy)
-        self._caches[i] = fresh
-        slot_rows = saved["slot_rows"]
-        if slot_rows is None:  # no cache in the checkpoint: start empty (static: re-pin)
-            if c.policy is CachePolicy.STATIC and c.capacity:
-                keep = pinned[pinned >= 0]
-                self._fill(i, keep, torch.arange(keep.numel()))
-            return
-        fresh.restore(saved, self.tables[i].name)
-        rows = saved["rows"]
-        if c.capacity and rows is not None:
-            self._slots()._table_rows(self._slot_home[i]).copy_(rows)
+        load_state(self, state_dict, prefix, missing_keys, unexpected_keys, error_msgs)

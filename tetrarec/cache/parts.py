@@ -3,8 +3,12 @@
 ::
 
     part "cache"  FP32 slots: table t has C_t rows, one per slot  (+ FP32 state per slot)
+                  on the run device (device memory on a GPU, else process memory)
     part "ram"    host and cached tables, rows in their precision (+ FP32 state per row)
+                  in host memory
     part "ssd"    ssd tables, the same, the flat storages in files (+ FP32 state per row)
+    part "device" device tables (a GPU run only): uncached, rows in their precision in
+                  device memory, as ``FusedEmbeddingBagCollection(device=)`` holds them
 
 Every part pools as sum (a mean bag is divided by its whole length after the parts' sums
 are added). The backing parts hold the (global) cells of their tables: same names, rows
@@ -29,6 +33,8 @@ from tetrarec.types import Placement, PoolingMode, Precision
 
 __all__ = [
     "CACHE",
+    "DEV",
+    "HOME_KIND",
     "RAM",
     "SSD",
     "Part",
@@ -38,9 +44,17 @@ __all__ = [
     "resolve_placements",
 ]
 
-#: Part kinds: the FP32 slots, the backing rows in process memory, in files.
-CACHE, RAM, SSD = 0, 1, 2
+#: Part kinds: the FP32 slots, the backing rows in process memory, in files, and the
+#: uncached rows of ``device`` tables in device memory.
+CACHE, RAM, SSD, DEV = 0, 1, 2, 3
 _PLACEMENTS = (Placement.HOST, Placement.CACHED, Placement.SSD)
+#: The part holding each placement's (backing) rows.
+HOME_KIND = {
+    Placement.HOST: RAM,
+    Placement.CACHED: RAM,
+    Placement.SSD: SSD,
+    Placement.DEVICE: DEV,
+}
 
 
 @dataclasses.dataclass
@@ -48,16 +62,18 @@ class Part:
     """One fused collection inside the cached one, and where its columns go.
 
     Args:
-        kind: ``CACHE``, ``RAM`` or ``SSD``.
+        kind: ``CACHE``, ``RAM``, ``SSD`` or ``DEV``.
         module: the fused collection (its rows on ``module``'s device).
         features: ``(F_p,)`` host int64: indices of its features in the full order.
-        columns: ``(sum D_p,)`` int64: its output columns.
+        columns: ``(sum D_p,)`` int64 on the run device: its output columns.
+        device: where its rows live, and its lookups and updates run.
     """
 
     kind: int
     module: FusedEmbeddingBagCollection
     features: torch.Tensor
     columns: torch.Tensor
+    device: torch.device
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,12 +94,17 @@ class PartLayout:
 
 
 def resolve_placements(
-    tables: Sequence[TableConfig], given: Mapping[str, Placement | str]
+    tables: Sequence[TableConfig], given: Mapping[str, Placement | str], device: torch.device
 ) -> tuple[Placement, ...]:
     """Each table's placement (``cached`` where not named).
 
+    Args:
+        tables: the tables.
+        given: ``{table name: placement}``.
+        device: the run device; ``device`` placements need one that is not the CPU.
+
     Raises:
-        ValueError: for an unknown table or a placement other than host, cached, ssd.
+        ValueError: for an unknown table, or ``device`` on the CPU.
     """
     names = {t.name for t in tables}
     unknown = sorted(set(given) - names)
@@ -92,11 +113,12 @@ def resolve_placements(
     out = []
     for t in tables:
         p = Placement.parse(given.get(t.name, Placement.CACHED))
-        if p not in _PLACEMENTS:
+        if p not in _PLACEMENTS and device.type == "cpu":
             valid = ", ".join(x.value for x in _PLACEMENTS)
             raise ValueError(
-                f"table {t.name!r}: placement {p.value!r} is not available on CPU "
-                f"(the device cache needs a GPU); valid: {valid}"
+                f"table {t.name!r}: placement {p.value!r} keeps its rows in device memory, "
+                f"but this cached collection runs on the CPU (device=None or 'cpu'; a CPU "
+                f"table's rows are 'host'); valid here: {valid}"
             )
         out.append(p)
     return tuple(out)
@@ -114,7 +136,7 @@ def resolve_capacities(
     Raises:
         ValueError: for a fraction outside ``[0, 1]``.
     """
-    cached = [t for t, p in zip(tables, placements) if p is not Placement.HOST]
+    cached = [t for t, p in zip(tables, placements) if p in (Placement.CACHED, Placement.SSD)]
     capacity = cache.capacities(cached, optimizer.kind)
     for t in cached:
         f = fractions.get(t.name)
@@ -133,6 +155,7 @@ def build_parts(
     optimizer: SparseOptimizerSpec,
     directory: str | None,
     fused: Mapping[str, Any],
+    device: torch.device,
 ) -> PartLayout:
     """Build the fused parts (rows initialized; slots filled later by admission).
 
@@ -144,20 +167,22 @@ def build_parts(
         optimizer: the fused rule.
         directory: where the ``ssd`` part's files go (``CacheSpec.directory``).
         fused: the fused collections' keyword settings (bounds, rounding, seed).
+        device: the run device: the cache part's rows and every part's output columns
+            live there; the backing parts stay in host memory.
 
     Returns:
         The parts and each table's place in them.
     """
-    groups: dict[int, list[int]] = {CACHE: [], RAM: [], SSD: []}
+    groups: dict[int, list[int]] = {CACHE: [], RAM: [], SSD: [], DEV: []}
     for i, p in enumerate(placements):
-        groups[SSD if p is Placement.SSD else RAM].append(i)
+        groups[HOME_KIND[p]].append(i)
         if capacities.get(i, 0) > 0:
             groups[CACHE].append(i)
     parts: list[Part] = []
     home: dict[int, tuple[int, int]] = {}
     slot_home: dict[int, int] = {}
     ssd_dir = None
-    for kind in (CACHE, RAM, SSD):
+    for kind in (CACHE, RAM, SSD, DEV):
         members = groups[kind]
         if not members:
             continue
@@ -175,15 +200,15 @@ def build_parts(
         else:
             chosen = [dataclasses.replace(tables[i], pooling=PoolingMode.SUM) for i in members]
             home.update({i: (len(parts), k) for k, i in enumerate(members)})
-        device = "meta" if kind == SSD else None
+        # the ssd part is built on meta, then its storages are mapped to files
+        host = torch.device("cpu")
+        where = {CACHE: device, RAM: host, SSD: torch.device("meta"), DEV: device}[kind]
         # the backing parts hold the (global) cells; the slots are filled by admission
         cells = None if kind == CACHE else [slices[i] for i in members]
-        module = FusedEmbeddingBagCollection(
-            chosen, optimizer, device=device, slices=cells, **fused
-        )
+        module = FusedEmbeddingBagCollection(chosen, optimizer, device=where, slices=cells, **fused)
         if kind == SSD:
             ssd_dir = map_to_files(module, optimizer, directory)
-        parts.append(_part(tables, kind, module, members))
+        parts.append(_part(tables, kind, module, members, host if kind == SSD else where, device))
     return PartLayout(parts=parts, home=home, slot_home=slot_home, ssd_dir=ssd_dir)
 
 
@@ -192,6 +217,8 @@ def _part(
     kind: int,
     module: FusedEmbeddingBagCollection,
     members: list[int],
+    device: torch.device,
+    out_device: torch.device,
 ) -> Part:
     feats: list[int] = []
     cols: list[int] = []
@@ -206,5 +233,6 @@ def _part(
         kind=kind,
         module=module,
         features=torch.tensor(feats, dtype=torch.int64),
-        columns=torch.tensor(cols, dtype=torch.int64),
+        columns=torch.tensor(cols, dtype=torch.int64, device=out_device),
+        device=device,
     )
