@@ -41,7 +41,9 @@ parts' pooled rows and gradients cross once each, and not at all when every id o
 batch is cached. ``force_staged_copies=True`` runs that path on the CPU (the tests).
 
 Host syncs: the policy step decides on the host (``torch.unique``, counts, the bounds
-check): a training forward syncs once for the ids, and once per write-back on a device.
+check). On a device that costs one sync for the batch's ids (their copy to the host)
+and one per table's write-back (the copy of its victims), besides the portable
+kernels' own (``tbe_forward`` hands its bounds result to the host).
 
 Optimizer state follows the row: the slot's state is live while the row is cached, the
 backing state otherwise. A row is in exactly one part during a batch, so each row gets
