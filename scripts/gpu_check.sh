@@ -10,7 +10,9 @@
 #   1. gpu tests      pytest -m gpu: the portable kernels on CUDA against the CPU, the
 #                     trainer on CUDA against the CPU run (2 steps), resume and evaluation
 #                     of a CUDA checkpoint, collectives and every sharding type on a
-#                     one-rank NCCL group (one GPU holds only a one-rank NCCL group)
+#                     one-rank NCCL group (one GPU holds only a one-rank NCCL group), the
+#                     device cache (slots on CUDA, rows on the host) against the CPU cache
+#                     and cached shards on the NCCL group (tests/unit/cache/test_cache_device.py)
 #   2. train suites   tests/unit/train and tests/unit/sharding, where train.device=auto
 #                     now resolves to the GPU (the CPU suites, run on CUDA)
 #   3. train cuda     tetrarec train, one process, train.device=cuda, on a small config

@@ -111,7 +111,9 @@ class DecayKind(enum.Enum):
     COSINE = "cosine"
 
 
-_CPU_PLACEMENTS = (Placement.HOST, Placement.CACHED, Placement.SSD)
+# `device` is not one of them: `host` already keeps every uncached row on train.device
+# (device memory on a GPU), and `cached` / `ssd` cache the hot rows there.
+_RUN_PLACEMENTS = (Placement.HOST, Placement.CACHED, Placement.SSD)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,10 +173,10 @@ class ModelConfig:
         precision: row storage of the tables (the reference module takes FP32 only).
         pooling: how a bag's embeddings combine.
         placement: where each table's rows live, one value for all or one per table:
-            ``host`` (in memory, no cache), ``cached`` (an FP32 cache of hot rows in
-            front of the rows in ``precision``) or ``ssd`` (the same, the rows in a
-            memory-mapped file); ``cached`` and ``ssd`` need ``embedding = "fused"``
-            and a size in ``[model.cache]``.
+            ``host`` (on ``train.device``, no cache), ``cached`` (an FP32 cache of hot
+            rows on ``train.device`` in front of the rows in ``precision`` in host
+            memory) or ``ssd`` (the same, the rows in a memory-mapped file); ``cached``
+            and ``ssd`` need ``embedding = "fused"`` and a size in ``[model.cache]``.
         cache: the caches' policy and size (``CacheConfig``).
         dlrm: the network (bottom MLP, interaction, top MLP). Its bottom MLP's last
             size is the dim of every table (``embedding_dim``), stated once.
@@ -205,17 +207,18 @@ class ModelConfig:
 
     def _check_placement(self) -> None:
         placements = self.table_placements
-        valid = ", ".join(p.value for p in _CPU_PLACEMENTS)
+        valid = ", ".join(p.value for p in _RUN_PLACEMENTS)
         if len(placements) != self.num_sparse:
             raise ValueError(
                 f"model.placement must be one placement or {self.num_sparse} (one per "
                 f"table), got {len(placements)}; valid: {valid}"
             )
-        bad = sorted({p.value for p in placements if p not in _CPU_PLACEMENTS})
+        bad = sorted({p.value for p in placements if p not in _RUN_PLACEMENTS})
         if bad:
             raise ValueError(
-                f"model.placement {bad[0]!r} is not available on CPU (the device cache "
-                f"needs a GPU); valid: {valid}"
+                f"model.placement {bad[0]!r} is not a run placement: 'host' keeps a "
+                "table's rows on train.device (device memory on a GPU), 'cached' and 'ssd' "
+                f"cache its hot rows there; valid: {valid}"
             )
         if any(p is not Placement.HOST for p in placements):
             if self.embedding is not EmbeddingKind.FUSED:

@@ -313,7 +313,7 @@ def test_static_cache_policy_loads_with_its_sample_size(tmp_path: Path) -> None:
             "model.cache: give exactly one of fraction",
         ),
         (["model.placement=cached", "model.cache.fraction=2"], r"model.cache.fraction .*\[0, 1\]"),
-        (["model.placement=device"], "'device' is not available on CPU.*valid: host, cached, ssd"),
+        (["model.placement=device"], "'device' is not a run placement.*valid: host, cached, ssd"),
         (["model.placement=disk"], "'disk' is not one of device, host, cached, ssd"),
         (
             ["model.num_sparse=2", "model.num_embeddings=5", "model.placement=[host]"],

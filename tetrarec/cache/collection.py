@@ -5,28 +5,24 @@ The mixed-precision-embedding recipe: most rows are stored and trained in the ta
 where they are looked up and trained in FP32. The same protocol as
 ``FusedEmbeddingBagCollection`` (forward, ``fused_optimizer``, state dicts keyed by table
 and row, the same initial rows for the same seed), built from unchanged fused
-collections::
-
-    part "cache"   FusedEmbeddingBagCollection, FP32, table t has C_t rows = slots
-                   (+ the slots' optimizer state: the live state of cached rows)
-    part "ram"     FusedEmbeddingBagCollection of the host and cached tables, each in
-                   its precision (+ FP32 state of every row), in process memory
-    part "ssd"     the same for ssd tables, its flat storages memory-mapped files
-
-Where a table's rows live (``Placement``): ``host`` = all in "ram", no cache (exactly
-``FusedEmbeddingBagCollection``); ``cached`` = cache + "ram"; ``ssd`` = cache + "ssd".
+collections, its "parts" (``parts.py``): "cache" (the FP32 slots, on the run device),
+"ram" (backing rows in process memory), "ssd" (backing rows in memory-mapped files) and,
+on a GPU, "device" (uncached ``device`` tables). Placements: ``host`` = in "ram", no
+cache (exactly ``FusedEmbeddingBagCollection``); ``cached`` = cache + "ram"; ``ssd`` =
+cache + "ssd".
 
 A training batch flows as::
 
-    1. per cached table: unique ids; hits and misses counted; the policy
-       (``policy.py``) admits misses, evicting idle victims: a victim updated since its
-       admission is written back (FP32 -> stored precision, stochastic rounding drawn
-       as the kernel would for that row at this iteration; state copied back); an
-       admitted row is decoded into its slot with its state
-    2. each id goes to one part: its slot in "cache" (hit) or its row in its backing
-       part; the bags keep their boundaries (a part's bag holds its share of the ids)
-    3. each part pools its ids (``tbe_forward``; every part pools as sum); the outputs
-       add up column by column; mean-pooled columns are divided by the whole bag length
+    1. per cached table (on the host): unique ids; hits and misses counted; the policy
+       (``policy.py``, ``slot_map.py``) admits misses, evicting idle victims: a victim
+       updated since its admission is written back (FP32 -> stored precision,
+       stochastic rounding drawn as the kernel would for that row at this iteration;
+       state copied back); an admitted row is decoded into its slot with its state
+       (``movement.py``)
+    2. each id goes to one part (``route.py``): its slot in "cache" (hit) or its row in
+       its backing part; a part's bag holds its share of the bag's ids
+    3. each part pools its ids (``tbe_forward``, as sum); the outputs add up column by
+       column, backing parts first; mean-pooled columns are divided by the bag length
     4. backward: the output gradient (mean columns divided by the bag length) goes to
        every part's ``tbe_backward_update``: cached rows train in FP32 in their slots,
        uncached rows in their stored precision; the cached rows become dirty
@@ -37,32 +33,35 @@ a data-parallel table route the global batch and pool their own samples,
 (3) and ``apply_gradients`` (4). Column blocks of a row-wise optimizer also read
 ``row_gradient_shares`` and write ``add_to_row_state_`` (``sharding/block_group.py``).
 
+On a GPU (``device=``, issue 11) the slots live in device memory and everything else on
+the host: the batch's ids come to the host once, the policy and routing run there, the
+cache part's ids go back once; admissions and write-backs move their rows through host
+staging buffers (``movement.StagedRows``, bitwise the CPU cache's stored rows); the host
+parts' pooled rows and gradients cross once each, and not at all when every id of the
+batch is cached. ``force_staged_copies=True`` runs that path on the CPU (the tests).
+
 Host syncs: the policy step decides on the host (``torch.unique``, counts, the bounds
-check), so a training forward syncs once per cached table; on CPU that costs nothing,
-on a device it is what part 2's device cache must batch.
+check). On a device that costs one sync for the batch's ids (their copy to the host)
+and one per table's write-back (the copy of its victims), besides the portable
+kernels' own (``tbe_forward`` hands its bounds result to the host).
 
 Optimizer state follows the row: the slot's state is live while the row is cached, the
-backing state otherwise (``CacheMemory`` counts both). A row is in exactly one part
-during a batch, so each row gets exactly one update per step. Deterministic: the
-policy's ties are broken by row id, the kernels are deterministic, and write-back
-rounding is a function of ``(seed, iteration, row, column)``.
+backing state otherwise. A row is in exactly one part during a batch, so each row gets
+exactly one update per step. Deterministic: the policy's ties are broken by row id, the
+kernels are deterministic, and write-back rounding is a function of ``(seed,
+iteration, row, column)``.
 
 Checkpoints: ``state_dict()`` and ``fused_optimizer.state_dict()`` first ``flush()``:
 dirty cached rows are written back (rounded copies) and cached state copied back, so
 ``weights.<table>`` is the complete table in its stored precision, in exactly the
-layout ``FusedEmbeddingBagCollection`` saves. Flushing does not change training: the
-FP32 rows stay cached and dirty (eviction rewrites them from FP32 at its own
-iteration), and a backing copy of a cached row is never read while it is cached. The
-state dict also holds ``cache.<table>.*`` (the slot map, the FP32 cached rows, dirty
-flags, policy state and counters), so a resumed run equals an uninterrupted one
-bitwise; without them (a checkpoint of an uncached collection) the caches start empty
-(``static``: reloaded with their pinned rows).
+layout ``FusedEmbeddingBagCollection`` saves. Flushing does not change training (the
+FP32 rows stay cached and dirty). The state dict also holds ``cache.<table>.*`` (slot
+map, FP32 cached rows, policy state, counters), so a resumed run equals an
+uninterrupted one bitwise; without them the caches start empty (``static``: re-pinned).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import shutil
 import weakref
 from collections.abc import Mapping, Sequence
@@ -72,9 +71,24 @@ from typing import Any
 import torch
 from torch import nn
 
+from tetrarec.cache.checkpoint import load_state, save_state
 from tetrarec.cache.config import CacheSpec
-from tetrarec.cache.files import map_to_files, prefetch_rows
-from tetrarec.cache.policy import CachePolicy, hot_rows, plan_admission
+from tetrarec.cache.files import prefetch_rows
+from tetrarec.cache.movement import InPlaceRows, RowMover, StagedRows, TableRows
+from tetrarec.cache.parts import (
+    CACHE,
+    DEV,
+    HOME_KIND,
+    RAM,
+    SSD,
+    Part,
+    build_parts,
+    resolve_capacities,
+    resolve_placements,
+)
+from tetrarec.cache.policy import CachePolicy, hot_rows
+from tetrarec.cache.route import CacheRoute, bag_divisor, check_table_ids, split_over_parts
+from tetrarec.cache.slot_map import SlotMap, unique_rows
 from tetrarec.cache.stats import CacheMemory, CacheStats
 from tetrarec.embedding import (
     SparseOptimizerSpec,
@@ -83,73 +97,12 @@ from tetrarec.embedding import (
     draw_seed,
     feature_order,
 )
-from tetrarec.kernels import FusedEmbeddingBagCollection, FusedOptimizer, ops
+from tetrarec.kernels import FusedEmbeddingBagCollection, FusedOptimizer
 from tetrarec.kernels.quant import decode_rows
-from tetrarec.kernels.tbe import load_table_rows
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures, permute_keys
 from tetrarec.types import Placement, PoolingMode, Precision
 
 __all__ = ["CacheRoute", "CachedEmbeddingBagCollection"]
-
-_CACHE, _RAM, _SSD = 0, 1, 2
-_PLACEMENTS = (Placement.HOST, Placement.CACHED, Placement.SSD)
-
-
-class _TableCache:
-    """One table's slot maps and policy state (plain tensors; the rows live in a part)."""
-
-    def __init__(self, capacity: int, rows: int, policy: CachePolicy) -> None:
-        self.capacity = capacity
-        self.policy = policy
-        self.slot_rows = torch.full((capacity,), -1, dtype=torch.int64)  # row per slot
-        self.row_slot = torch.full((rows,), -1, dtype=torch.int32)  # slot per row
-        self.last_used = torch.zeros(capacity, dtype=torch.int64)  # LRU: batch number
-        self.dirty = torch.zeros(capacity, dtype=torch.bool)  # updated since admission
-        lfu = policy is CachePolicy.LFU
-        self.freq = torch.zeros(rows if lfu else 0, dtype=torch.int64)  # LFU: lookups
-        self.counters = [0, 0, 0, 0, 0]  # clock, hits, misses, evictions, write_backs
-
-    def metadata_bytes(self) -> int:
-        tensors = (self.slot_rows, self.row_slot, self.last_used, self.dirty, self.freq)
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-
-@dataclasses.dataclass
-class _Part:
-    """One fused collection inside the cached one, and where its columns go."""
-
-    kind: int
-    module: FusedEmbeddingBagCollection
-    features: torch.Tensor  # (F_p,) indices of its features in the full feature order
-    columns: torch.Tensor  # (sum D_p,) its output columns in the full output
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CacheRoute:
-    """One batch split over the parts of a ``CachedEmbeddingBagCollection`` (``route``).
-
-    Built once per batch and handed to ``pooled_lookup`` (forward) and
-    ``apply_gradients`` (backward). Its tensors index the batch it was built from: ``N``
-    ids over ``B`` samples, key-major in the collection's feature order.
-
-    Args:
-        batch: ``B``, the samples of the batch.
-        values: per part, the ids it takes, local to it (slots or rows).
-        lengths: per part, ``(F_p * B,)`` its share of each bag.
-        masks: per part, ``(N,)`` bool: which ids of the batch it takes.
-        divisor: ``(B, sum D)`` bag lengths on mean-pooled columns (1 elsewhere), or
-            ``None`` without mean pooling.
-        touched: per cached table that admitted this batch (``admit=True``):
-            ``(table index, its unique rows, their slots)``; ``apply_gradients`` checks
-            that they have not moved and marks the slots dirty.
-    """
-
-    batch: int
-    values: list[torch.Tensor]
-    lengths: list[torch.Tensor]
-    masks: list[torch.Tensor]
-    divisor: torch.Tensor | None
-    touched: list[tuple[int, torch.Tensor, torch.Tensor]]
 
 
 class _CachedLookup(torch.autograd.Function):
@@ -183,8 +136,10 @@ class CachedEmbeddingBagCollection(nn.Module):
         optimizer: the fused rule, applied to cached rows in FP32 and to the others in
             their stored precision.
         cache: policy, size and SSD directory.
-        placements: ``{table name: placement}`` (``host``, ``cached`` or ``ssd``);
-            tables not named are ``cached``.
+        placements: ``{table name: placement}`` (``host``, ``cached`` or ``ssd``; and
+            ``device`` when ``device`` is not the CPU: uncached rows in device memory);
+            tables not named are ``cached``. ``host`` tables are uncached, in host
+            memory, on any ``device``.
         static_counts: ``{table name: (rows,) counts}`` from a data sample
             (``count_ids``); required by the ``static`` policy for every cached table.
         check_bounds: raise ``ValueError`` for an id outside its table.
@@ -197,10 +152,18 @@ class CachedEmbeddingBagCollection(nn.Module):
         fractions: ``{table name: fraction}``: slots of the named cached tables as a
             fraction of their rows, instead of ``cache``'s size (a plan's per-table
             choice).
+        device: the run device (default CPU). The FP32 slots and their optimizer state
+            (part "cache") are built there, and lookups return there; the backing rows,
+            the slot maps and the policy stay in host memory (issue 11's device cache:
+            ``docs/design/cache.md``, "On a GPU").
+        force_staged_copies: move rows between slots and backing rows through host
+            staging buffers, as a device cache must, even when ``device`` is the CPU
+            (bitwise the same results as the in-place CPU path). For tests: it runs the
+            device cache's code on a machine without a GPU. Not a run-config setting.
 
     Raises:
-        ValueError: for an unknown placement or table name, ``device`` placement (no
-            device cache on CPU), or missing static counts.
+        ValueError: for an unknown placement or table name, ``device`` placement on the
+            CPU, a ``meta`` device, or missing static counts.
 
     Example:
         >>> spec = SparseOptimizerSpec(kind="sgd", lr=0.1)
@@ -224,6 +187,8 @@ class CachedEmbeddingBagCollection(nn.Module):
         seed: int | None = None,
         slices: Sequence[TableSlice] | None = None,
         fractions: Mapping[str, float] | None = None,
+        device: torch.device | str | None = None,
+        force_staged_copies: bool = False,
     ) -> None:
         super().__init__()
         self.tables = tuple(tables)
@@ -238,23 +203,21 @@ class CachedEmbeddingBagCollection(nn.Module):
         self.cache_spec = cache
         self.check_bounds = check_bounds
         self.seed = draw_seed() if seed is None else seed
-        self.placements = _resolve_placements(self.tables, placements or {})
-        cached = [t for t, p in zip(self.tables, self.placements) if p is not Placement.HOST]
-        capacity = cache.capacities(cached, optimizer.kind)
-        for t in cached:
-            f = (fractions or {}).get(t.name)
-            if f is not None:
-                if not 0.0 <= f <= 1.0:
-                    raise ValueError(f"table {t.name!r}: cache fraction {f} is not in [0, 1]")
-                capacity[t.name] = min(t.num_embeddings, math.floor(f * t.num_embeddings))
+        #: The run device: the FP32 slots (part "cache") and the output live there.
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        if self.device.type == "meta":
+            raise ValueError("device: a cached collection holds rows; 'meta' is not a device")
+        self.placements = resolve_placements(self.tables, placements or {}, self.device)
+        capacity = resolve_capacities(
+            self.tables, self.placements, cache, optimizer, fractions or {}
+        )
         self._caches = {
-            i: _TableCache(capacity[t.name], t.num_embeddings, cache.policy)
+            i: SlotMap(capacity[t.name], t.num_embeddings, cache.policy)
             for i, t in enumerate(self.tables)
             if t.name in capacity
         }
         self._means = tuple(t.pooling is PoolingMode.MEAN for t in self.tables)
         self._anchor = torch.empty(0, requires_grad=True)
-        self._ssd_dir: Path | None = None
         #: Pages of SSD tables asked for ahead of their reads (``files.prefetch_rows``).
         self.prefetched_pages = 0
         fused = {
@@ -263,10 +226,25 @@ class CachedEmbeddingBagCollection(nn.Module):
             "stochastic_rounding": stochastic_rounding,
             "seed": self.seed,
         }
-        self._parts: list[_Part] = []
-        self._home: dict[int, tuple[int, int]] = {}  # table -> (backing part, local index)
-        self._slot_home: dict[int, int] = {}  # table -> local index in the cache part
-        self._build_parts(fused)
+        staged = force_staged_copies or self.device.type != "cpu"
+        self._mover: RowMover = StagedRows(self.device) if staged else InPlaceRows()
+        layout = build_parts(
+            self.tables,
+            self.slices,
+            self.placements,
+            {i: c.capacity for i, c in self._caches.items()},
+            optimizer,
+            cache.directory,
+            fused,
+            self.device,
+        )
+        self._parts: list[Part] = layout.parts
+        self._home = layout.home  # table -> (backing part, local index)
+        self._slot_home = layout.slot_home  # table -> local index in the cache part
+        self._ssd_dir = layout.ssd_dir
+        if self._ssd_dir is not None:
+            # scratch space, deleted with this module (a checkpoint holds the rows)
+            weakref.finalize(self, shutil.rmtree, self._ssd_dir, True)
         #: The ``torch.optim`` surface; every part reads its hyperparameters.
         self.fused_optimizer = FusedOptimizer(optimizer, self)
         if cache.policy is CachePolicy.STATIC:
@@ -288,64 +266,6 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     # -- construction ---------------------------------------------------------------------
 
-    def _build_parts(self, fused: dict[str, Any]) -> None:
-        groups: dict[int, list[int]] = {_CACHE: [], _RAM: [], _SSD: []}
-        for i, p in enumerate(self.placements):
-            groups[_SSD if p is Placement.SSD else _RAM].append(i)
-            if i in self._caches and self._caches[i].capacity > 0:
-                groups[_CACHE].append(i)
-        for kind in (_CACHE, _RAM, _SSD):
-            members = groups[kind]
-            if not members:
-                continue
-            if kind == _CACHE:
-                tables = [
-                    dataclasses.replace(
-                        self.tables[i],
-                        num_embeddings=self._caches[i].capacity,
-                        pooling=PoolingMode.SUM,
-                        precision=Precision.FP32,
-                    )
-                    for i in members
-                ]
-                self._slot_home.update({i: k for k, i in enumerate(members)})
-            else:
-                # Every part pools as sum: a mean bag is divided by its whole length
-                # after the parts' sums are added. Same name, rows and bound: same
-                # initial rows and rounding keys as the uncached collection.
-                tables = [
-                    dataclasses.replace(self.tables[i], pooling=PoolingMode.SUM) for i in members
-                ]
-                self._home.update({i: (len(self._parts), k) for k, i in enumerate(members)})
-            device = "meta" if kind == _SSD else None
-            # the backing parts hold the (global) cells; the slots are filled by admission
-            slices = None if kind == _CACHE else [self.slices[i] for i in members]
-            module = FusedEmbeddingBagCollection(
-                tables, self.optimizer_spec, device=device, slices=slices, **fused
-            )
-            if kind == _SSD:
-                # scratch space, deleted with this module (a checkpoint holds the rows)
-                self._ssd_dir = map_to_files(module, self.optimizer_spec, self.cache_spec.directory)
-                weakref.finalize(self, shutil.rmtree, self._ssd_dir, True)
-            self._parts.append(self._part(kind, module, members))
-
-    def _part(self, kind: int, module: FusedEmbeddingBagCollection, members: list[int]) -> _Part:
-        feats: list[int] = []
-        cols: list[int] = []
-        f = col = 0
-        for i, t in enumerate(self.tables):
-            for _ in t.feature_names:
-                if i in members:
-                    feats.append(f)
-                    cols.extend(range(col, col + t.dim))
-                f, col = f + 1, col + t.dim
-        return _Part(
-            kind=kind,
-            module=module,
-            features=torch.tensor(feats, dtype=torch.int64),
-            columns=torch.tensor(cols, dtype=torch.int64),
-        )
-
     def _pin_static(self, counts: Mapping[str, torch.Tensor] | None) -> None:
         for i, c in self._caches.items():
             name = self.tables[i].name
@@ -365,7 +285,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         return self._parts[p].module, k
 
     def _slots(self) -> FusedEmbeddingBagCollection:
-        assert self._parts[0].kind == _CACHE  # only called for tables with slots
+        assert self._parts[0].kind == CACHE  # only called for tables with slots
         return self._parts[0].module
 
     @property
@@ -381,23 +301,22 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     # -- cache maintenance ----------------------------------------------------------------
 
+    def _slot_rows(self, i: int) -> TableRows:
+        """Table ``i``'s FP32 slots and their state (part "cache")."""
+        cache, k = self._slots(), self._slot_home[i]
+        return TableRows(cache._table_rows(k), cache._table_state(k), Precision.FP32)
+
+    def _backing_rows(self, i: int) -> TableRows:
+        """Table ``i``'s backing rows and their state."""
+        backing, k = self._backing(i)
+        return TableRows(backing._table_rows(k), backing._table_state(k), self.tables[i].precision)
+
     @torch.no_grad()
     def _fill(self, i: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Admit ``rows`` into ``slots`` (free): decode rows, copy their state."""
-        t, c = self.tables[i], self._caches[i]
-        backing, k = self._backing(i)
-        cache, ck = self._slots(), self._slot_home[i]
         rows, slots = rows.long().contiguous(), slots.long().contiguous()
-        # one pass: gather, decode and scatter each row (the kernels' codec)
-        ops.load_rows(backing._table_rows(k), rows, cache._table_rows(ck), slots, t.precision.value)
-        # index_select / index_copy_ / index_fill_: the same elements as t[i] and
-        # t[i] = v for distinct indices, a fraction of advanced indexing's cost
-        src = backing._table_state(k)
-        for name, dst in cache._table_state(ck).items():
-            dst.index_copy_(0, slots, src[name].index_select(0, rows))
-        c.row_slot.index_copy_(0, rows, slots.to(torch.int32))
-        c.slot_rows.index_copy_(0, slots, rows)
-        c.dirty.index_fill_(0, slots, False)
+        self._mover.load(self._backing_rows(i), rows, self._slot_rows(i), slots)
+        self._caches[i].filled(rows, slots)
 
     @torch.no_grad()
     def _write_back(self, i: int, slots: torch.Tensor) -> None:
@@ -406,74 +325,38 @@ class CachedEmbeddingBagCollection(nn.Module):
         slots = slots.long().contiguous()
         rows = c.slot_rows.index_select(0, slots)
         backing, k = self._backing(i)
-        cache, ck = self._slots(), self._slot_home[i]
         # The draws the kernel would make for these rows at this iteration (the kernel
-        # itself never updates them at this iteration: they are idle), drawn, encoded and
-        # scattered row by row in one pass (ops.store_rows).
+        # itself never updates them at this iteration: they are idle).
         sl = backing.slices[k]
         stochastic = backing.stochastic_rounding and t.precision is not Precision.FP32
         flags = [int(stochastic), backing.seed, backing.iteration, sl.row_key(), sl.col_start]
-        ops.store_rows(
-            cache._table_rows(ck), slots, backing._table_rows(k), rows, t.precision.value, flags
-        )
-        dst = backing._table_state(k)
-        for name, src in cache._table_state(ck).items():
-            dst[name].index_copy_(0, rows, src.index_select(0, slots))
+        self._mover.store(self._slot_rows(i), slots, self._backing_rows(i), rows, flags)
 
     def _evict(self, i: int, victims: torch.Tensor) -> None:
         c = self._caches[i]
-        dirty = victims.masked_select(c.dirty.index_select(0, victims))
+        dirty = c.dirty_among(victims)
         if dirty.numel():
             self._write_back(i, dirty)
-        c.counters[3] += victims.numel()
-        c.counters[4] += dirty.numel()
-        c.row_slot.index_fill_(0, c.slot_rows.index_select(0, victims), -1)
-        c.slot_rows.index_fill_(0, victims, -1)
-        c.dirty.index_fill_(0, victims, False)
+        c.evicted(victims, dirty.numel())
 
     def _admit(self, i: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One training batch's policy step for table ``i``; its unique rows and slots."""
         c = self._caches[i]
-        if self.check_bounds and self.tables[i].num_embeddings <= 2**31:
-            # checked ids fit int32, whose sort is about twice as fast; same rows, counts
-            ordered = torch.sort(ids.to(torch.int32)).values
-            uniq32, counts = torch.unique_consecutive(ordered, return_counts=True)
-            uniq = uniq32.long()
-        else:
-            uniq, counts = torch.unique(ids, return_counts=True)  # rows ascending
-        slots = c.row_slot.index_select(0, uniq).long()
-        hit = slots >= 0
-        hits = int(torch.where(hit, counts, 0).sum())
-        c.counters[1] += hits
-        c.counters[2] += ids.numel() - hits  # the counts add up to the ids
-        if c.policy is CachePolicy.LFU:
-            c.freq.index_add_(0, uniq, counts)
-        # slot -1 (a miss) marks the extra last entry, dropped: no mask of the hits needed
-        busy = torch.zeros(c.capacity + 1, dtype=torch.bool)
-        busy.index_fill_(0, slots, True)
-        miss = torch.nonzero(~hit).flatten()
-        plan = plan_admission(
-            c.policy,
-            miss_rows=uniq.index_select(0, miss),
-            miss_counts=counts.index_select(0, miss),
-            slot_rows=c.slot_rows,
-            busy=busy[:-1],
-            last_used=c.last_used,
-            freq=c.freq,
-        )
+        fits = self.check_bounds and self.tables[i].num_embeddings <= 2**31
+        uniq, counts = unique_rows(ids, fits_int32=fits)
+        slots, plan = c.plan_batch(ids, uniq, counts)
         if self.placements[i] is Placement.SSD:
             # every backing row this step reads or writes: the misses (admitted ones are
             # read now, the others by the kernels) and the dirty victims' rows
-            dirty = plan.victims.masked_select(c.dirty.index_select(0, plan.victims))
-            self._prefetch(i, torch.cat([uniq.index_select(0, miss), c.slot_rows[dirty]]))
+            dirty = c.dirty_among(plan.victims)
+            misses = uniq.masked_select(slots < 0)
+            self._prefetch(i, torch.cat([misses, c.slot_rows[dirty]]))
         if plan.victims.numel():
             self._evict(i, plan.victims)
         if plan.rows.numel():
             self._fill(i, plan.rows, plan.slots)
-            slots = c.row_slot.index_select(0, uniq).long()
-        if c.policy is CachePolicy.LRU:
-            c.last_used.index_fill_(0, slots.masked_select(slots >= 0), c.counters[0])
-        c.counters[0] += 1
+            slots = c.slots_of(uniq)
+        c.used(slots)
         return uniq, slots
 
     def _prefetch(self, i: int, rows: torch.Tensor) -> None:
@@ -492,7 +375,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         tables (what ``state_dict`` saves).
         """
         for i, c in self._caches.items():
-            occupied = torch.nonzero(c.slot_rows >= 0).flatten()
+            occupied = c.occupied()
             dirty = occupied[c.dirty[occupied]]
             if dirty.numel():
                 self._write_back(i, dirty)  # also copies the state of these slots
@@ -503,22 +386,17 @@ class CachedEmbeddingBagCollection(nn.Module):
     @torch.no_grad()
     def _copy_state_back(self, i: int, slots: torch.Tensor) -> None:
         rows = self._caches[i].slot_rows[slots]
-        backing, k = self._backing(i)
-        dst = backing._table_state(k)
-        for name, src in self._slots()._table_state(self._slot_home[i]).items():
-            dst[name][rows] = src[slots]
+        self._mover.copy_state_back(self._slot_rows(i), slots, self._backing_rows(i), rows)
 
     @torch.no_grad()
     def _refresh_cached_state(self) -> None:
         """Copy the backing state of every cached row into its slot (after a load)."""
         for i, c in self._caches.items():
-            slots = torch.nonzero(c.slot_rows >= 0).flatten()
+            slots = c.occupied()
             if not slots.numel():
                 continue
-            backing, k = self._backing(i)
-            src = backing._table_state(k)
-            for name, dst in self._slots()._table_state(self._slot_home[i]).items():
-                dst[slots] = src[name][c.slot_rows[slots]]
+            rows = c.slot_rows[slots]
+            self._mover.refresh_state(self._backing_rows(i), rows, self._slot_rows(i), slots)
 
     # -- the embedding-module protocol ----------------------------------------------------
 
@@ -578,29 +456,12 @@ class CachedEmbeddingBagCollection(nn.Module):
             raise ValueError("per-id weights are supported with sum pooling only")
         return self._route(features, admit=admit)
 
-    def _check_ids(
-        self, t: TableConfig, ids: torch.Tensor, features: range, starts: list[int]
-    ) -> None:
-        """Raise for an id of table ``t`` outside it, naming the feature (one check per table)."""
-        if not self.check_bounds or not ids.numel():
-            return
-        lo, hi = (int(x) for x in torch.aminmax(ids))
-        if lo >= 0 and hi < t.num_embeddings:
-            return
-        bad = lo if lo < 0 else hi
-        first = starts[features[0]]  # ids holds the table's features back to back
-        f = next(
-            g for g in features if (ids[starts[g] - first : starts[g + 1] - first] == bad).any()
-        )
-        raise ValueError(
-            f"feature {self.feature_names[f]!r}: id {bad} is outside its table {t.name!r} "
-            f"of {t.num_embeddings} rows (valid ids are 0..{t.num_embeddings - 1})"
-        )
-
     def _route(self, features: SparseFeatures, *, admit: bool) -> CacheRoute:
-        batch, lengths = features.batch_size, features.lengths.long()
-        local = features.values.long().clone()  # (N,) becomes slot or row per id
-        dest = torch.full_like(local, _RAM, dtype=torch.int8)
+        # The policy and the routing run on the host: the batch's ids and lengths come
+        # over once (no copy on the CPU), the parts' ids go back once per device part.
+        batch, lengths = features.batch_size, features.lengths.cpu().long()
+        local = features.values.cpu().long().clone()  # (N,) becomes slot or row per id
+        dest = torch.full_like(local, RAM, dtype=torch.int8)
         starts = [0]
         for n in features.value_counts_host():
             starts.append(starts[-1] + n)
@@ -609,48 +470,40 @@ class CachedEmbeddingBagCollection(nn.Module):
         for i, t in enumerate(self.tables):
             f0, f = f, f + len(t.feature_names)
             seg = slice(starts[f0], starts[f])
-            home = _SSD if self.placements[i] is Placement.SSD else _RAM
+            home = HOME_KIND[self.placements[i]]
             dest[seg] = home
             if i not in self._caches:
                 continue
             ids = local[seg]
-            self._check_ids(t, ids, range(f0, f), starts)
+            if self.check_bounds:
+                check_table_ids(t, ids, range(f0, f), starts, self.feature_names)
             if admit:
                 rows, slots = self._admit(i, ids)
                 touched.append((i, rows, slots.to(torch.int32)))
             slot = self._caches[i].row_slot[ids].long()
             hit = slot >= 0
-            dest[seg] = torch.where(hit, _CACHE, home).to(torch.int8)
+            dest[seg] = torch.where(hit, CACHE, home).to(torch.int8)
             local[seg] = torch.where(hit, slot, ids)
         nf = len(self.feature_names)
-        ends = torch.cumsum(lengths, 0)  # (F*B,) one past each bag's last id
-        values, part_lengths, masks = [], [], []
-        for part in self._parts:
-            mask = dest == part.kind
-            # ids of this part per bag: differences of the mask's running count
-            taken = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(mask, 0)])
-            counts = torch.diff(taken[ends], prepend=taken[:1]).view(nf, batch)
-            values.append(local[mask])
-            part_lengths.append(counts[part.features].reshape(-1))
-            masks.append(mask)
+        values, part_lengths, masks = split_over_parts(self._parts, local, dest, lengths, nf, batch)
+        divisor = bag_divisor(self.tables, self._means, lengths, batch)
         return CacheRoute(
             batch=batch,
-            values=values,
-            lengths=part_lengths,
+            values=[v.to(part.device) for v, part in zip(values, self._parts)],
+            lengths=[n.to(part.device) for n, part in zip(part_lengths, self._parts)],
             masks=masks,
-            divisor=self._divisor(lengths, batch),
+            divisor=divisor.to(self.device) if divisor is not None else None,
             touched=touched,
         )
 
-    def _divisor(self, lengths: torch.Tensor, batch: int) -> torch.Tensor | None:
-        """``(B, sum D)``: each bag's length on mean-pooled columns, 1 elsewhere."""
-        if not any(self._means):
+    def _part_weights(
+        self, psw: torch.Tensor | None, route: CacheRoute, p: int
+    ) -> torch.Tensor | None:
+        """Part ``p``'s share of the per-id weights, on its device (``None``: unweighted)."""
+        if psw is None:
             return None
-        mean = [m for t, m in zip(self.tables, self._means) for _ in t.feature_names]
-        per_bag = lengths.view(len(mean), batch).t().float().clamp(min=1)  # (B, F)
-        per_bag[:, [f for f, m in enumerate(mean) if not m]] = 1.0
-        dims = torch.tensor(self.feature_dims)
-        return torch.repeat_interleave(per_bag, dims, dim=1)
+        dev = self._parts[p].device
+        return psw.to(dev)[route.masks[p].to(dev, non_blocking=True)]
 
     def pooled_lookup(self, route: CacheRoute, psw: torch.Tensor | None) -> torch.Tensor:
         """The pooled rows of a routed batch: the forward, without autograd.
@@ -662,14 +515,19 @@ class CachedEmbeddingBagCollection(nn.Module):
         Returns:
             ``(B, sum D)`` pooled rows, columns in ``feature_names`` order.
         """
-        out = torch.zeros(route.batch, sum(self.feature_dims))  # (B, sum D)
+        out = torch.zeros(route.batch, sum(self.feature_dims), device=self.device)  # (B, sum D)
         # Backing parts first, then the cache: an all-cached (or all-uncached) bag is
-        # 0 + its one part's sum, exactly what the uncached collection computes.
-        for p in sorted(range(len(self._parts)), key=lambda p: self._parts[p].kind == _CACHE):
+        # 0 + its one part's sum, exactly what the uncached collection computes. A part
+        # with no id in this batch adds only zeros: skipped (on a device cache, a batch
+        # that hits or admits every id never touches the host parts).
+        for p in sorted(range(len(self._parts)), key=lambda p: self._parts[p].kind == CACHE):
             part = self._parts[p]
-            w = psw[route.masks[p]] if psw is not None else None
+            if not route.values[p].numel():
+                continue
+            w = self._part_weights(psw, route, p)
             pooled = part.module.pooled_lookup(route.values[p], route.lengths[p], w)
-            out.index_add_(1, part.columns, pooled)
+            # a host part's pooled rows go to the device in one copy
+            out.index_add_(1, part.columns, pooled.to(self.device, non_blocking=True))
         if route.divisor is not None:
             out.div_(route.divisor)  # the kernel's mean: the sum divided by the length
         return out
@@ -710,13 +568,19 @@ class CachedEmbeddingBagCollection(nn.Module):
             g = g / route.divisor  # the kernel's mean backward: gradient over the length
         psw_grad = torch.zeros_like(psw) if psw is not None and want_psw else None
         for p, part in enumerate(self._parts):
-            w = psw[route.masks[p]] if psw is not None else None
+            if not route.values[p].numel():
+                # nothing to update; the rounding stream still advances, as the
+                # kernel's own call would advance it
+                part.module.iteration += 1
+                continue
+            w = self._part_weights(psw, route, p)
             out = part.module.apply_gradients(
-                g.index_select(1, part.columns), route.values[p], route.lengths[p], w,
-                want_psw=psw_grad is not None,
+                g.index_select(1, part.columns).to(part.device), route.values[p],
+                route.lengths[p], w, want_psw=psw_grad is not None,
             )  # fmt: skip
             if psw_grad is not None and out is not None:
-                psw_grad[route.masks[p]] = out
+                mask = route.masks[p].to(psw_grad.device, non_blocking=True)
+                psw_grad[mask] = out.to(psw_grad.device)
         for i, _, slots in route.touched:
             self._caches[i].dirty[slots[slots >= 0].long()] = True
         return psw_grad
@@ -752,7 +616,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             g = g / route.divisor  # as apply_gradients divides it
         rows, shares = [], []
         for p, part in enumerate(self._parts):
-            if part.kind == _CACHE:
+            if part.kind == CACHE:
                 if table not in self._slot_home:
                     continue
                 k = self._slot_home[table]
@@ -760,18 +624,20 @@ class CachedEmbeddingBagCollection(nn.Module):
                 home, k = self._home[table]
                 if home != p:
                     continue
-            w = psw[route.masks[p]] if psw is not None else None
+            w = self._part_weights(psw, route, p)
             got, share = part.module.row_gradient_shares(
-                k, g.index_select(1, part.columns), route.values[p], route.lengths[p], w,
-                weight_decay,
+                k, g.index_select(1, part.columns).to(part.device), route.values[p],
+                route.lengths[p], w, weight_decay,
             )  # fmt: skip
-            if part.kind == _CACHE:
+            got, share = got.cpu(), share.cpu()
+            if part.kind == CACHE:
                 got = self._caches[table].slot_rows[got]  # slots -> their rows
             rows.append(got)
             shares.append(share)
         every = torch.cat(rows)
         order = torch.argsort(every)  # a row is in one part: unique
-        return every[order], torch.cat(shares)[order]
+        out = grad_out.device
+        return every[order].to(out), torch.cat(shares)[order].to(out)
 
     @torch.no_grad()
     def add_to_row_state_(
@@ -797,13 +663,16 @@ class CachedEmbeddingBagCollection(nn.Module):
         if name not in state or state[name].shape[1] != 1:
             per_row = sorted(n for n, v in state.items() if v.shape[1] == 1)
             raise ValueError(f"{name!r} is not a per-row optimizer state; per-row: {per_row}")
+        rows, delta = rows.cpu(), delta.cpu()  # the slot map is on the host
         c = self._caches.get(table)
         slots = c.row_slot[rows].long() if c is not None else torch.full_like(rows, -1)
         hit = slots >= 0
         if bool(hit.any()):
             cached = self._slots()._table_state(self._slot_home[table])[name]
-            cached[:, 0].index_add_(0, slots[hit], delta[hit])
-        state[name][:, 0].index_add_(0, rows[~hit], delta[~hit])
+            dev = cached.device
+            cached[:, 0].index_add_(0, slots[hit].to(dev), delta[hit].to(dev))
+        dev = state[name].device  # the host, but for a `device` table
+        state[name][:, 0].index_add_(0, rows[~hit].to(dev), delta[~hit].to(dev))
 
     # -- what the trainer reads -------------------------------------------------------------
 
@@ -835,7 +704,7 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def memory(self) -> CacheMemory:
         """Bytes by tier (rows in their stored precision, FP32 state, metadata)."""
-        sizes = {_CACHE: [0, 0], _RAM: [0, 0], _SSD: [0, 0]}
+        sizes = {CACHE: [0, 0], RAM: [0, 0], SSD: [0, 0], DEV: [0, 0]}
         for part in self._parts:
             m = part.module
             sizes[part.kind][0] += sum(w.numel() * w.element_size() for w in m.storages())
@@ -843,26 +712,33 @@ class CachedEmbeddingBagCollection(nn.Module):
                 s.numel() * 4 for st in range(len(m._stores)) for s in m._states(st)
             )
         return CacheMemory(
-            backing_ram=sizes[_RAM][0],
-            backing_ssd=sizes[_SSD][0],
-            backing_state_ram=sizes[_RAM][1],
-            backing_state_ssd=sizes[_SSD][1],
-            cache_rows=sizes[_CACHE][0],
-            cache_state=sizes[_CACHE][1],
+            backing_ram=sizes[RAM][0],
+            backing_ssd=sizes[SSD][0],
+            backing_state_ram=sizes[RAM][1],
+            backing_state_ssd=sizes[SSD][1],
+            cache_rows=sizes[CACHE][0],
+            cache_state=sizes[CACHE][1],
             metadata=sum(c.metadata_bytes() for c in self._caches.values()),
+            backing_device=sizes[DEV][0],
+            backing_state_device=sizes[DEV][1],
+            cache_device=self.device.type,
         )
 
     def table_weights(self) -> dict[str, torch.Tensor]:
-        """``{table: (rows, dim) FP32}``: the backing rows, cached rows from the cache."""
+        """``{table: (rows, dim) FP32}``: the backing rows, cached rows from the cache.
+
+        On the host (cached rows copied from the device), but for ``device`` tables,
+        whose rows stay on the device.
+        """
         out = {}
         for i, t in enumerate(self.tables):
             backing, k = self._backing(i)
             w = decode_rows(backing._table_rows(k), t.precision, t.dim)
             c = self._caches.get(i)
             if c is not None and c.capacity:
-                slots = torch.nonzero(c.slot_rows >= 0).flatten()
+                slots = c.occupied()
                 rows = self._slots()._table_rows(self._slot_home[i])
-                w[c.slot_rows[slots]] = rows[slots]
+                w[c.slot_rows[slots]] = rows[slots.to(rows.device)].to(w.device)
             out[t.name] = w
         return out
 
@@ -880,7 +756,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                 self._copy_state_back(i, slots)
         out: dict[str, dict[str, torch.Tensor]] = {}
         for part in self._parts:
-            if part.kind != _CACHE:
+            if part.kind != CACHE:
                 out.update(part.module.optimizer_state())
         return {t.name: out[t.name] for t in self.tables}
 
@@ -896,31 +772,17 @@ class CachedEmbeddingBagCollection(nn.Module):
                 f"optimizer state for tables {sorted(state)}, this module has {sorted(names)}"
             )
         for part in self._parts:
-            if part.kind != _CACHE:
+            if part.kind != CACHE:
                 mine = {t.name for t in part.module.tables}
                 part.module.load_optimizer_state({n: state[n] for n in mine})
         self._refresh_cached_state()
 
-    # -- state dict -----------------------------------------------------------------------
+    # -- state dict (checkpoint.py) ------------------------------------------------------
 
     def _save_to_state_dict(
         self, destination: dict[str, Any], prefix: str, keep_vars: bool
     ) -> None:
-        self.flush()
-        for i, t in enumerate(self.tables):
-            backing, k = self._backing(i)
-            destination[f"{prefix}weights.{t.name}"] = backing._table_rows(k).detach()
-        destination[f"{prefix}rounding"] = torch.tensor([self.seed, self.iteration])
-        for i, c in self._caches.items():
-            key = f"{prefix}cache.{self.tables[i].name}."
-            destination[key + "slot_rows"] = c.slot_rows.clone()
-            destination[key + "dirty"] = c.dirty.clone()
-            destination[key + "last_used"] = c.last_used.clone()
-            destination[key + "freq"] = c.freq.clone()
-            destination[key + "counters"] = torch.tensor(c.counters, dtype=torch.int64)
-            if c.capacity:
-                rows = self._slots()._table_rows(self._slot_home[i])
-                destination[key + "rows"] = rows.detach().clone()
+        save_state(self, destination, prefix)
 
     def _load_from_state_dict(
         self,
@@ -932,77 +794,4 @@ class CachedEmbeddingBagCollection(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        rows = {}
-        for i, t in enumerate(self.tables):
-            backing, k = self._backing(i)
-            rows[f"{prefix}weights.{t.name}"] = backing._table_rows(k)
-        load_table_rows(state_dict, rows, missing_keys, error_msgs)
-        expected = set(rows)
-        expected.add(f"{prefix}rounding")
-        rounding = state_dict.get(f"{prefix}rounding")
-        if rounding is not None:
-            self.seed, iteration = (int(x) for x in rounding.tolist())
-            for part in self._parts:
-                part.module.seed, part.module.iteration = self.seed, iteration
-        for i in self._caches:
-            key = f"{prefix}cache.{self.tables[i].name}."
-            names = ("slot_rows", "dirty", "last_used", "freq", "counters")
-            found = {n: state_dict.get(key + n) for n in (*names, "rows")}
-            expected.update(key + n for n in (*names, "rows"))
-            self._load_cache(i, found)
-        self._refresh_cached_state()
-        for key in state_dict:
-            if key.startswith(prefix) and key not in expected:
-                unexpected_keys.append(key)
-
-    @torch.no_grad()
-    def _load_cache(self, i: int, saved: Mapping[str, torch.Tensor | None]) -> None:
-        """Restore table ``i``'s cache, or rebuild it from the backing rows if not saved."""
-        c = self._caches[i]
-        pinned = c.slot_rows.clone()
-        fresh = _TableCache(c.capacity, self.tables[i].num_embeddings, c.policy)
-        self._caches[i] = fresh
-        slot_rows = saved["slot_rows"]
-        if slot_rows is None:  # no cache in the checkpoint: start empty (static: re-pin)
-            if c.policy is CachePolicy.STATIC and c.capacity:
-                keep = pinned[pinned >= 0]
-                self._fill(i, keep, torch.arange(keep.numel()))
-            return
-        for name in ("slot_rows", "dirty", "last_used", "freq"):
-            value, dst = saved[name], getattr(fresh, name)
-            if value is None or value.shape != dst.shape:
-                got = None if value is None else tuple(value.shape)
-                raise ValueError(
-                    f"table {self.tables[i].name!r}: the checkpoint's cache.{name} is {got}, "
-                    f"this cache ({fresh.capacity} slots, policy {c.policy.value!r}) "
-                    f"needs {tuple(dst.shape)}"
-                )
-            dst.copy_(value)
-        counters = saved["counters"]
-        assert counters is not None
-        fresh.counters = [int(x) for x in counters.tolist()]
-        occupied = torch.nonzero(fresh.slot_rows >= 0).flatten()
-        fresh.row_slot[fresh.slot_rows[occupied]] = occupied.to(torch.int32)
-        rows = saved["rows"]
-        if c.capacity and rows is not None:
-            self._slots()._table_rows(self._slot_home[i]).copy_(rows)
-
-
-def _resolve_placements(
-    tables: Sequence[TableConfig], given: Mapping[str, Placement | str]
-) -> tuple[Placement, ...]:
-    names = {t.name for t in tables}
-    unknown = sorted(set(given) - names)
-    if unknown:
-        raise ValueError(f"placements name unknown tables {unknown}; tables: {sorted(names)}")
-    out = []
-    for t in tables:
-        p = Placement.parse(given.get(t.name, Placement.CACHED))
-        if p not in _PLACEMENTS:
-            valid = ", ".join(x.value for x in _PLACEMENTS)
-            raise ValueError(
-                f"table {t.name!r}: placement {p.value!r} is not available on CPU "
-                f"(the device cache needs a GPU); valid: {valid}"
-            )
-        out.append(p)
-    return tuple(out)
+        load_state(self, state_dict, prefix, missing_keys, unexpected_keys, error_msgs)

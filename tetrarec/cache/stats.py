@@ -74,7 +74,13 @@ class CacheMemory:
         cache_state: the FP32 optimizer state of every cache slot (the live state of
             the cached rows).
         metadata: the slot maps and policy counters (row -> slot int32 per row,
-            slot -> row, last use and dirty flag per slot, LFU's int64 count per row).
+            slot -> row, last use and dirty flag per slot, LFU's int64 count per row),
+            always in process memory.
+        backing_device: rows of ``device`` tables (uncached, in device memory: a GPU
+            run only).
+        backing_state_device: their FP32 optimizer state (device memory).
+        cache_device: the device type of the cache slots and their state (``"cpu"``:
+            process memory; ``"cuda"``: device memory, issue 11's device cache).
     """
 
     backing_ram: int
@@ -84,19 +90,23 @@ class CacheMemory:
     cache_rows: int
     cache_state: int
     metadata: int
+    backing_device: int = 0
+    backing_state_device: int = 0
+    cache_device: str = "cpu"
 
     @property
     def weight_bytes(self) -> int:
         """Embedding weights without optimizer state: backing rows plus cache rows."""
-        return self.backing_ram + self.backing_ssd + self.cache_rows
+        return self.backing_ram + self.backing_ssd + self.backing_device + self.cache_rows
 
     @property
     def ram_bytes(self) -> int:
-        """Everything held in process memory (files excluded)."""
-        return (
-            self.backing_ram
-            + self.backing_state_ram
-            + self.cache_rows
-            + self.cache_state
-            + self.metadata
-        )
+        """Everything held in process memory (files and device memory excluded)."""
+        cache = self.cache_rows + self.cache_state if self.cache_device == "cpu" else 0
+        return self.backing_ram + self.backing_state_ram + cache + self.metadata
+
+    @property
+    def device_bytes(self) -> int:
+        """Everything held in device memory (0 for a cache on the CPU)."""
+        cache = self.cache_rows + self.cache_state if self.cache_device != "cpu" else 0
+        return self.backing_device + self.backing_state_device + cache

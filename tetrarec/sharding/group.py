@@ -179,15 +179,19 @@ class ShardedGroup(nn.Module):
             and where.placement in (Placement.CACHED, Placement.SSD)
         }
         if cached:
-            # each rank caches its own shards, at the plan's fraction of their rows
+            # each rank caches its own shards, at the plan's fraction of their rows; on
+            # an accelerator the slots live in its memory and the backing rows in host
+            # memory, and the uncached shards stay in its memory ("device")
             fractions = {n: w.cache_fraction for n, w in cached.items()}
             spec = options.cache or CacheSpec(fraction=0.0)
+            on_cpu = env.device.type in ("cpu", "meta")
+            uncached = Placement.HOST if on_cpu else Placement.DEVICE
             self.local = CachedEmbeddingBagCollection(
                 [s.config() for s in self.shards],
                 options.optimizer,
                 spec,
                 placements={
-                    s.name: cached[s.name].placement if s.name in cached else Placement.HOST
+                    s.name: cached[s.name].placement if s.name in cached else uncached
                     for s in self.shards
                 },
                 fractions={n: f for n, f in fractions.items() if f > 0},
@@ -197,6 +201,7 @@ class ShardedGroup(nn.Module):
                 seed=options.seed,
                 slices=[s.slice() for s in self.shards],
                 static_counts=_shard_counts(self.shards, options.static_counts),
+                device=None if on_cpu else env.device,
             )
         elif self.shards:
             self.local = FusedEmbeddingBagCollection(

@@ -44,11 +44,11 @@ def _check_placements(plan: ShardingPlan, env: ShardingEnv, tables: Sequence[Tab
     """Refuse placements the shards cannot honour.
 
     Rows live in the rank's own memory (host memory on a CPU rank, device memory on an
-    accelerator) at the table's configured precision; on a CPU rank a shard may also be
-    ``cached`` or ``ssd`` (``tetrarec.cache``: each rank caches its own shards; the
-    replicas of a data-parallel table all run the global batch's policy step; column
-    blocks of a row-wise optimizer share their rows' state wherever it lives, slot or
-    backing store).
+    accelerator) at the table's configured precision; a shard may also be ``cached`` or
+    ``ssd`` (``tetrarec.cache``: each rank caches its own shards, in device memory on an
+    accelerator with the backing rows in host memory; the replicas of a data-parallel
+    table all run the global batch's policy step; column blocks of a row-wise optimizer
+    share their rows' state wherever it lives, slot or backing store).
 
     Raises:
         ValueError: naming the tables and their placements.
@@ -67,7 +67,7 @@ def _check_placements(plan: ShardingPlan, env: ShardingEnv, tables: Sequence[Tab
         )
     on_cpu = env.device.type in ("cpu", "meta")
     here = Placement.HOST if on_cpu else Placement.DEVICE
-    allowed = {here, Placement.CACHED, Placement.SSD} if on_cpu else {here}
+    allowed = {here, Placement.CACHED, Placement.SSD}
     bad = []
     for tp in plan:
         where = tp.placement
@@ -78,13 +78,8 @@ def _check_placements(plan: ShardingPlan, env: ShardingEnv, tables: Sequence[Tab
     if bad:
         raise ValueError(
             f"the sharding plan places tables {', '.join(bad)} where their shards cannot "
-            f"live: a sharded table's rows stay in this rank's {here.value} memory"
-            + (
-                ", or cached / on SSD (tetrarec.cache)"
-                if on_cpu
-                else " (the row cache runs on CPU ranks)"
-            )
-            + ": plan those tables otherwise"
+            f"live: a sharded table's rows stay in this rank's {here.value} memory, or "
+            "cached / on SSD (tetrarec.cache): plan those tables otherwise"
         )
 
 

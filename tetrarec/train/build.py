@@ -19,7 +19,7 @@ from tetrarec.embedding import EmbeddingBagCollection, SparseOptimizerSpec, Tabl
 from tetrarec.models import DLRM, EmbeddingModule, build_model
 from tetrarec.sharding import ShardingEnv, ShardingPlan
 from tetrarec.train.optim import build_dense_optimizer, build_sparse_optimizer
-from tetrarec.types import Precision
+from tetrarec.types import Placement, Precision
 
 __all__ = [
     "EMBEDDINGS",
@@ -106,25 +106,22 @@ def build_embeddings(
             (``tetrarec.train.static_cache.sample_counts``). Without them a static
             cache pins rows ``0..slots-1``: only for a model whose state a checkpoint
             replaces next (``tetrarec eval`` loads the pinned rows it saved).
-        device: where the rows live (default CPU). The initial rows are the same on
-            every device.
-
-    Raises:
-        ValueError: for ``cached`` or ``ssd`` tables on a non-CPU device (the cached
-            collection keeps its slots and backing rows in host memory).
+        device: where the rows live (default CPU); for ``cached`` and ``ssd`` tables,
+            where their cache slots live (their backing rows stay in host memory). The
+            initial rows are the same on every device.
     """
     model = config.model
     device = torch.device("cpu") if device is None else device
-    if model.cached and device.type != "cpu":
-        raise ValueError(
-            f"model.placement 'cached' and 'ssd' train on the CPU only (the cache's slots and "
-            f"backing rows live in host memory), but train.device resolves to {device}: set "
-            "train.device = 'cpu', or model.placement = 'host' to keep every row on the device"
-        )
     if model.cached:  # ModelConfig has checked that the embedding is fused
         from tetrarec.cache import CachedEmbeddingBagCollection, CachePolicy
 
-        placements = {t.name: p for t, p in zip(tables, model.table_placements)}
+        # On a GPU the slots live in device memory, the backing rows in host memory,
+        # and `host` tables stay on the device as in the uncached module ("device").
+        on_device = device.type != "cpu"
+        placements = {
+            t.name: Placement.DEVICE if on_device and p is Placement.HOST else p
+            for t, p in zip(tables, model.table_placements)
+        }
         if static_counts is None and model.cache.policy is CachePolicy.STATIC:
             static_counts = {
                 t.name: torch.zeros(t.num_embeddings, dtype=torch.int64) for t in tables
@@ -136,6 +133,7 @@ def build_embeddings(
             placements=placements,
             static_counts=static_counts,
             seed=config.train.seed,
+            device=device,
         )
     return EMBEDDINGS[model.embedding](tables, config.optim.sparse, config.train.seed, device)
 
@@ -263,8 +261,7 @@ def build_parts(
             (``build_embeddings``).
 
     Raises:
-        ValueError: if the data's dense width differs from ``model.dlrm.num_dense``, or
-            cached tables are asked for on a non-CPU device.
+        ValueError: if the data's dense width differs from ``model.dlrm.num_dense``.
     """
     device = torch.device("cpu") if device is None else device
     if num_dense != config.model.dlrm.num_dense:

@@ -135,7 +135,7 @@ def test_placement_and_static_errors():
     """Catches: a device placement accepted on CPU, typos in table names, static without
     counts."""
     spec = CacheSpec(fraction=0.5)
-    with pytest.raises(ValueError, match="placement 'device' is not available on CPU"):
+    with pytest.raises(ValueError, match="placement 'device' keeps its rows in device memory"):
         CachedEmbeddingBagCollection([TABLE], SGD, spec, placements={"t": "device"})
     with pytest.raises(ValueError, match="unknown placement 'disk'; valid: device, host"):
         CachedEmbeddingBagCollection([TABLE], SGD, spec, placements={"t": "disk"})

@@ -53,18 +53,25 @@ def halves(b: dict[str, list[list[int]]], weights=None) -> list[SparseFeatures]:
     ]
 
 
-def cached() -> CachedEmbeddingBagCollection:
-    return CachedEmbeddingBagCollection(TABLES, ROWWISE, CacheSpec(fraction=0.25), seed=5)
+def cached(staged: bool = False) -> CachedEmbeddingBagCollection:
+    return CachedEmbeddingBagCollection(
+        TABLES, ROWWISE, CacheSpec(fraction=0.25), seed=5, force_staged_copies=staged
+    )
 
 
-def test_policy_step_on_the_whole_batch_then_pooling_halves_equals_forward():
+# The device cache's code path (test_cache_staged.py), forced on the CPU, too.
+STAGED = pytest.mark.parametrize("staged", [False, True], ids=["in-place", "staged"])
+
+
+@STAGED
+def test_policy_step_on_the_whole_batch_then_pooling_halves_equals_forward(staged):
     """What a data-parallel replica does, in one process: the policy step on the whole
     batch, each half pooled through the resulting slot map, the whole batch's update.
     Bugs caught: ``route(admit=False)`` changing the cache (counters, slots), a route
     of a sub-batch that maps ids to other slots than the whole batch's, or an update
     through the split path that differs from ``forward``/``backward`` (rows, state,
     counters, dirty flags: the evictions of later steps write them back)."""
-    plain, split = cached(), cached()
+    plain, split = cached(), cached(staged)
     for step in range(4):
         b = bags(step)
         whole = SparseFeatures.from_lists(b)
@@ -162,7 +169,8 @@ FP32_TABLES = [
 ]
 
 
-def test_row_gradient_shares_and_row_state_follow_the_row_into_its_slot():
+@STAGED
+def test_row_gradient_shares_and_row_state_follow_the_row_into_its_slot(staged):
     """What cached column blocks of a row-wise optimizer exchange: each touched row's
     squared-gradient sum, read from the part that holds the row, equals the uncached
     collection's (FP32 rows, weight decay: the row's value counts), and a delta to the
@@ -173,7 +181,9 @@ def test_row_gradient_shares_and_row_state_follow_the_row_into_its_slot():
     from tetrarec.kernels import FusedEmbeddingBagCollection
 
     spec = SparseOptimizerSpec(kind="rowwise_adagrad", lr=0.2, weight_decay=0.05)
-    cached = CachedEmbeddingBagCollection(FP32_TABLES, spec, CacheSpec(fraction=0.25), seed=5)
+    cached = CachedEmbeddingBagCollection(
+        FP32_TABLES, spec, CacheSpec(fraction=0.25), seed=5, force_staged_copies=staged
+    )
     plain = FusedEmbeddingBagCollection(FP32_TABLES, spec, seed=5)
     for step in range(2):  # fill the caches (and train some rows)
         for module in (cached, plain):

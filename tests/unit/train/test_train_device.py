@@ -148,11 +148,13 @@ def test_build_parts_puts_every_tensor_on_the_device(tmp_path, embedding) -> Non
     assert build_parts(config, num_dense=13).device == torch.device("cpu")
 
 
-def test_cached_tables_refuse_a_non_cpu_device(tmp_path) -> None:
-    """Bug caught: a GPU run silently building the host-memory cache (its rows on the
-    CPU, every batch's ids on the GPU)."""
+def test_cached_tables_get_the_run_device(tmp_path) -> None:
+    """Bug caught: a GPU run silently building the host-memory cache (its slots on the
+    CPU, every batch's ids on the GPU): the run's device must reach the cached
+    collection, which refuses a device that holds no rows (the GPU case itself is
+    ``tests/unit/cache/test_cache_device.py``)."""
     config = tiny(tmp_path, "model.placement=cached", "model.cache.fraction=0.5")
-    with pytest.raises(ValueError, match=r"'cached' and 'ssd' train on the CPU only"):
+    with pytest.raises(ValueError, match=r"'meta' is not a device"):
         build_parts(config, num_dense=13, device=torch.device("meta"))
 
 
