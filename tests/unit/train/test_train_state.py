@@ -140,7 +140,8 @@ def test_a_one_rank_env_checkpoints_and_resumes_as_one_process(tmp_path) -> None
 
 def test_a_sharded_checkpoint_in_one_process_is_a_clear_error(tmp_path) -> None:
     """Bugs caught: a sharded checkpoint's dense file loaded as if it held the tables
-    (which live in the ranks' files), or a message without the world size."""
+    (which live in the ranks' files), or a message without the world size (or calling
+    a one-rank env "1 ranks")."""
     cfg = config()
     path = save_run_state(tmp_path, parts_of(cfg), step=2, config=cfg, keep=1)
     edit_meta(path, sharding={"world_size": 2, "fingerprint": "0123abcd"})
@@ -150,11 +151,14 @@ def test_a_sharded_checkpoint_in_one_process_is_a_clear_error(tmp_path) -> None:
         "(train.eval_every)"
     ):
         load_model_state(path, parts_of(cfg).model)
-    with raises_exactly(
+    refused = (
         f"{path} was written by 2 ranks, this run has one process: resuming on another "
         "world size or plan is not supported yet (resharding a checkpoint is a later feature)"
-    ):
+    )
+    with raises_exactly(refused):
         load_run_state(path, parts_of(cfg))
+    with raises_exactly(refused):  # a one-rank env is one process too, not "1 ranks"
+        load_run_state(path, dataclasses.replace(parts_of(cfg), env=ShardingEnv.single()))
 
 
 def _rewritten(path: Path, root: Path, tensors: dict[str, torch.Tensor]) -> Path:
