@@ -9,9 +9,9 @@ the unmutated code, then once per mutant: ``MUTANT_UNDER_TEST`` set on both rank
 (mutmut's trampoline reads it at every call), ``save_run_state``, then the variable
 cleared, every weight and state changed, and the checkpoint loaded back with
 ``load_run_state``. The loading functions' sharded branches are not reached in one
-process either (past the check that refuses a sharded checkpoint there): their mutants
-that survive mutmut are checked here too, loading the unmutated checkpoint with the
-mutant set. A mutant is killed when
+process either (past the check that refuses a sharded checkpoint there), nor is
+``save_run_state``'s call of ``_save_sharded``: their mutants that survive mutmut are
+checked here too (a loading-side mutant loads the unmutated checkpoint). A mutant is killed when
 
 - saving raises, or times out, on either rank;
 - a nan in rank 1's state only is not refused on both ranks with the step in the
@@ -49,6 +49,7 @@ from typing import Any
 
 MODULE = "tetrarec.train.state"
 FUNCTION = "x__save_sharded"
+SAVING = ("x__save_sharded__", "x_save_run_state__")
 LOADING = ("x_load_run_state__", "x__check_same_layout__")
 MUTANTS = Path("mutants")
 TINY = (
@@ -122,7 +123,7 @@ def mutant_worker(ctx: Any, names: list[str], root: str) -> None:
     log = Path(root) / f"progress_{ctx.rank}.jsonl"
     for name in names:
         path = base
-        if name.startswith(FUNCTION + "__"):
+        if name.startswith(SAVING):
             os.environ["MUTANT_UNDER_TEST"] = f"{MODULE}.{name}"
             try:
                 path = save_run_state(Path(root) / name, parts, step=1, config=config, keep=1)
@@ -291,10 +292,11 @@ def _files_differ(a: Path, b: Path) -> str | None:
 
 
 def mutant_names(mutmut: str) -> list[str]:
-    """Every ``_save_sharded`` mutant, then mutmut's survivors in the loading functions.
+    """Every ``_save_sharded`` mutant, then mutmut's survivors in the functions around it.
 
-    The loading functions' sharded branches run in one process only up to the check
-    that refuses a sharded checkpoint there, so their mutants there survive mutmut.
+    ``save_run_state`` and the loading functions have sharded branches too, which one
+    process never takes (or only up to the check that refuses a sharded checkpoint
+    there): their mutants there survive mutmut.
     """
     text = (MUTANTS / "tetrarec/train/state.py").read_text()
     found = set(re.findall(rf"\['({FUNCTION}__mutmut_\d+)'\]", text))
@@ -303,7 +305,7 @@ def mutant_names(mutmut: str) -> list[str]:
     for line in out.splitlines():
         name, _, status = line.strip().rpartition(": ")
         module, _, short = name.rpartition(".")
-        if module == MODULE and status == "survived" and short.startswith(LOADING):
+        if module == MODULE and status == "survived" and short.startswith((*SAVING, *LOADING)):
             names.append(short)
     return names
 

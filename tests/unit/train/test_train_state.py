@@ -169,7 +169,7 @@ def _rewritten(path: Path, root: Path, tensors: dict[str, torch.Tensor]) -> Path
 def test_a_checkpoint_that_does_not_fit_names_five_missing_and_the_unexpected(tmp_path) -> None:
     """Bugs caught: missing dense tensors or unexpected ones loaded without a word
     (either alone must fail), the embeddings' keys reported as missing from the dense
-    part, or another number of names than five."""
+    part, or another number of names than five (of eight missing, of six unexpected)."""
     cfg = config()
     path = save_run_state(tmp_path / "a", parts_of(cfg), step=2, config=cfg, keep=1)
     tensors = read_checkpoint(path).tensors
@@ -179,9 +179,11 @@ def test_a_checkpoint_that_does_not_fit_names_five_missing_and_the_unexpected(tm
         f"{fewer}: checkpoint does not fit the model: missing {missing}, unexpected []"
     ):
         load_model_state(fewer, parts_of(cfg).model)
-    more = _rewritten(path, tmp_path / "c", {**tensors, "model.extra.weight": torch.ones(2)})
+    extra = {f"model.extra{i}.weight": torch.ones(2) for i in range(6)}
+    more = _rewritten(path, tmp_path / "c", {**tensors, **extra})
+    unexpected = [f"extra{i}.weight" for i in range(5)]
     with raises_exactly(
-        f"{more}: checkpoint does not fit the model: missing [], unexpected ['extra.weight']"
+        f"{more}: checkpoint does not fit the model: missing [], unexpected {unexpected}"
     ):
         load_run_state(more, parts_of(cfg))
 
