@@ -56,10 +56,18 @@ mutants: $(VENV)/.stamp-test
 	@# Build the kernels into the mutants' cache first (the build is keyed by the sources'
 	@# content, which mutmut never changes): a first build inside the stats run takes
 	@# minutes and trips the first kernel test's timeout, and mutmut then gives up.
+	@# mutation/sharded_state_mutants.py runs the train/state.py mutants that only sharded
+	@# (spawned) ranks reach, which mutmut reports as "no tests".
 	XDG_CACHE_HOME=$(CURDIR)/mutants/xdg-cache TETRAREC_KERNELS=compiled $(PY) -c \
 	  "from tetrarec.kernels._build import compiled_cpu_kernels; compiled_cpu_kernels()"
 	XDG_CACHE_HOME=$(CURDIR)/mutants/xdg-cache $(VENV)/bin/mutmut run $(MUTMUT_NAMES); \
-	$(PY) mutation/mutmut_score.py --mutmut $(VENV)/bin/mutmut; py=$$?; \
+	rm -f mutants/sharded-state.json; \
+	case "$(MUTMUT_NAMES)" in ""|*train.state*|*train\**|*tetrarec\**) \
+	  XDG_CACHE_HOME=$(CURDIR)/mutants/xdg-cache $(PY) mutation/sharded_state_mutants.py \
+	    --mutmut $(VENV)/bin/mutmut --json mutants/sharded-state.json;; esac; \
+	$(PY) mutation/mutmut_score.py --mutmut $(VENV)/bin/mutmut \
+	  $$(test -f mutants/sharded-state.json && echo --sharded mutants/sharded-state.json); \
+	py=$$?; \
 	$(PY) mutation/cpp_mutants.py $(CPP_MUTANTS); cpp=$$?; \
 	test $$py -eq 0 -a $$cpp -eq 0
 

@@ -4,17 +4,22 @@ Reads ``mutmut results --all true`` (one ``name: status`` line per mutant). The 
 killed (timeouts count as killed) over the mutants that were checked: survivors, "no
 tests" (no selected test reaches the mutated function), suspicious ones and segfaults
 count against it; "not checked" mutants (outside the names given to ``mutmut run``) and
-skipped ones are left out. Exit status 0 when the score reaches ``--goal``.
+skipped ones are left out. ``--sharded`` takes the verdicts of
+``mutation/sharded_state_mutants.py`` (``--json``): the ``train/state.py`` mutants that only
+sharded ranks reach, which mutmut reports as "no tests" (or survived); the ones it
+killed count as killed. Exit status 0 when the score reaches ``--goal``.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import subprocess
 import sys
+from pathlib import Path
 
-KILLED = ("killed", "timeout")
+KILLED = ("killed", "timeout", "killed (sharded check)")
 NOT_COUNTED = ("not checked", "skipped", "check was interrupted by user")
 
 
@@ -23,6 +28,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--goal", type=float, default=0.9, help="required kill ratio")
     parser.add_argument("--mutmut", default="mutmut", help="the mutmut executable")
+    parser.add_argument("--sharded", help="verdicts of mutation/sharded_state_mutants.py")
     args = parser.parse_args()
     out = subprocess.run(
         [args.mutmut, "results", "--all", "true"], check=True, capture_output=True, text=True
@@ -32,6 +38,11 @@ def main() -> int:
         name, sep, state = line.strip().rpartition(": ")
         if sep:
             status[name] = state
+    if args.sharded:
+        for short, (verdict, _) in json.loads(Path(args.sharded).read_text()).items():
+            name = f"tetrarec.train.state.{short}"
+            if verdict == "killed" and status.get(name) in ("no tests", "survived"):
+                status[name] = "killed (sharded check)"
     counts = collections.Counter(status.values())
     checked = {n: s for n, s in status.items() if s not in NOT_COUNTED}
     killed = sum(s in KILLED for s in checked.values())
