@@ -3,6 +3,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from tetrarec.data import (
@@ -192,3 +193,121 @@ def test_real_1tb_sample():
     block, _ = read_criteo([TB])
     assert block.rows == 1000
     assert int(block.labels.sum()) == 21
+
+
+# -- found by mutation testing (mutation/README.md, the Criteo slice) ---------------------
+
+
+def _good_block(cats_per_line: list[list[str]]) -> tuple[bytes, list[list[int]]]:
+    """Lines with labels 1, 0, 1, ..., dense ``-i .. 12 - i`` and the given categoricals."""
+    lines = []
+    for i, cats in enumerate(cats_per_line):
+        dense = [str(j - i) if (i + j) % 5 else "" for j in range(13)]
+        lines.append(line(str((i + 1) % 2), dense, cats))
+    expected = [[int(c, 16) if c else 0 for c in cats] for cats in cats_per_line]
+    return ("\n".join(lines) + "\n").encode(), expected
+
+
+@pytest.mark.parametrize(
+    "cats_per_line",
+    [
+        # 8 digits or empty (the (m, 8) view), upper and lower case
+        [
+            [f"{i * 2654435761 + j:08x}"[-8:] if (i + j) % 3 else "" for j in range(26)]
+            for i in range(6)
+        ]
+        + [["ABCDEF01"] * 26],
+        # 1-8 digits (the ragged gather), with 8-digit values among them
+        [
+            [f"{(i + 1) * (j + 1) * 2654435761 % 2**32:08x}"[(i + j) % 8 :] for j in range(26)]
+            for i in range(6)
+        ],
+        # a single line: a one-byte label column
+        [["a"] + ["00000001"] * 25],
+    ],
+)
+def test_fast_path_accepts_good_lines_and_decodes_them_exactly(cats_per_line):
+    # The vectorized parser must take every good block itself: a spurious rejection gives
+    # the same rows through the line-by-line parser, only many times slower.
+    block, expected = _good_block(cats_per_line)
+    out = criteo_mod._parse_fast(block)
+    n = len(cats_per_line)
+    assert out.labels.dtype == np.float32  # documented: (n,) float32
+    assert out.labels.tolist() == [float((i + 1) % 2) for i in range(n)]
+    assert out.sparse.tolist() == expected
+    dense = [[j - i if (i + j) % 5 else 0 for j in range(13)] for i in range(n)]
+    assert out.dense.tolist() == dense
+
+
+def test_line_by_line_path_gives_the_documented_types_and_shapes(tmp_path):
+    p = write(tmp_path / "a.tsv", [line("1"), line("x"), line("0")])
+    block, summary = read_criteo([p], on_bad_line="skip")
+    # the documented CriteoBlock types and shapes, whichever parser made the block
+    assert (block.labels.dtype, block.dense.dtype, block.sparse.dtype) == (
+        np.float32,
+        np.float32,
+        np.uint32,
+    )
+    assert (block.labels.shape, block.dense.shape, block.sparse.shape) == ((2,), (2, 13), (2, 26))
+    assert block.labels.tolist() == [1.0, 0.0]
+    assert summary.rows_read == 2
+
+
+def test_binary_parts_of_a_sliced_array_start_at_its_offset():
+    arr = pa.array([b"ab", b"cde", b"", b"f", b"ghij"], pa.binary()).slice(1, 3)
+    offsets, data = criteo_mod._binary_parts(arr)
+    assert offsets.tolist() == [2, 5, 5, 6]
+    assert bytes(data[offsets[0] : offsets[-1]]) == b"cdef"
+
+
+def test_lines_longer_than_a_read_are_whole_and_never_empty_blocks(tmp_path, monkeypatch):
+    # Each line (~300 bytes) spans several 64-byte reads: a read with no newline must be
+    # carried into the next, never yielded as an empty block nor taken as the end.
+    monkeypatch.setattr(criteo_mod, "_BLOCK_BYTES", 64)
+    lines = [line(str(i % 2)) for i in range(5)]
+    p = write(tmp_path / "long.tsv", lines)
+    blocks = list(iter_criteo_blocks(p))
+    assert [b.rows for b in blocks] == [1] * 5
+    assert [b.labels[0] for b in blocks] == [0, 1, 0, 1, 0]
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_on_bytes_reports_every_byte_on_disk_once(tmp_path, monkeypatch, gz):
+    monkeypatch.setattr(criteo_mod, "_BLOCK_BYTES", 500)
+    p = write(tmp_path / ("a.tsv.gz" if gz else "a.tsv"), [line() for _ in range(30)], gz=gz)
+    seen: list[int] = []
+    rows = sum(b.rows for b in iter_criteo_blocks(p, on_bytes=seen.append))
+    assert rows == 30
+    assert len(seen) > 1
+    assert all(n >= 0 for n in seen)
+    assert sum(seen) == p.stat().st_size
+
+
+def test_error_messages_name_the_path_and_say_what_is_wrong(tmp_path):
+    with pytest.raises(ValueError, match=r"^read_criteo needs at least one file$"):
+        read_criteo([])
+    with pytest.raises(DataError) as info:
+        read_criteo([tmp_path])
+    assert info.value.path == str(tmp_path)
+    assert str(info.value).endswith(": expected a file, got a directory")
+    (tmp_path / "a.gz").write_bytes(b"0\t1\n")
+    with pytest.raises(DataError) as info:
+        read_criteo([tmp_path / "a.gz"])
+    assert str(info.value).endswith(
+        "named .gz but not gzip data: it starts with b'0\\t', not the gzip magic "
+        "bytes b'\\x1f\\x8b' (a damaged file, or plain text to be renamed)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("bad", "detail"),
+    [
+        ("\t".join(line().split("\t")[:39]), "(expected 40 tab-separated fields, got 39)"),
+        (line(label="2" * 25), "(got b'" + "2" * 20 + "')"),
+    ],
+)
+def test_bad_line_message_gives_the_detail(tmp_path, bad, detail):
+    p = write(tmp_path / "bad.tsv", [line(), bad])
+    with pytest.raises(DataError) as info:
+        read_criteo([p])
+    assert str(info.value).endswith(detail)
