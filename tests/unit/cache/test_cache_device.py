@@ -16,22 +16,16 @@ separates, so the sharded tolerance (``rtol=1e-4, atol=1e-5`` on CUDA) holds.
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from tetrarec.cache import CachedEmbeddingBagCollection, CacheSpec, count_ids
-from tetrarec.comm import Communicator
 from tetrarec.embedding import SparseOptimizerSpec, TableConfig
 from tetrarec.sharding import LookupOptions, ShardedEmbeddingBagCollection, ShardingEnv
 from tetrarec.sharding.state_dict import local_blocks
 from tetrarec.sparse import SparseFeatures
 from tetrarec.testing.equivalence import EquivalenceCase, compare, global_batch, reference_run
+from tetrarec.testing.one_rank import one_rank_group
 
 GPU = [
     pytest.mark.gpu,
@@ -143,21 +137,6 @@ def test_a_cuda_run_builds_the_device_cache():
     assert isinstance(module, CachedEmbeddingBagCollection)
     assert module.device.type == "cuda"
     assert [p.value for p in module.placements] == ["cached", "device"]
-
-
-@contextlib.contextmanager
-def one_rank_group(tmp_path: Path, backend: str, device: str) -> Iterator[Communicator]:
-    """This process as the only rank of a ``backend`` group, rendezvous by file."""
-    dev = torch.device(device, 0) if device == "cuda" else torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    timeout = datetime.timedelta(seconds=60)
-    store = dist.FileStore(str(tmp_path / "store"), 1)  # type: ignore[attr-defined]
-    dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-    try:
-        yield Communicator(dist.group.WORLD, rank=0, world_size=1, timeout=timeout, device=dev)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(

@@ -13,10 +13,6 @@ the reference bitwise for pure data movement (table-wise) and within 1e-6 otherw
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +30,7 @@ from tetrarec.testing.equivalence import (
     rank_slice,
     reference_run,
 )
+from tetrarec.testing.one_rank import one_rank_group
 
 CUDA = pytest.param(
     ("nccl", "cuda"),
@@ -51,21 +48,6 @@ TABLES = (
     TableConfig(name="c", num_embeddings=5, dim=4, pooling="mean"),
 )
 ROWWISE_ADAGRAD = SparseOptimizerSpec(kind="rowwise_adagrad", lr=0.1, weight_decay=0.01)
-
-
-@contextlib.contextmanager
-def one_rank_group(tmp_path: Path, backend: str, device: str) -> Iterator[Communicator]:
-    """This process as the only rank of a ``backend`` group, rendezvous by file."""
-    dev = torch.device(device, 0) if device == "cuda" else torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    timeout = datetime.timedelta(seconds=60)
-    store = dist.FileStore(str(tmp_path / "store"), 1)  # type: ignore[attr-defined]
-    dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-    try:
-        yield Communicator(dist.group.WORLD, rank=0, world_size=1, timeout=timeout, device=dev)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
