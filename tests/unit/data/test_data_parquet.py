@@ -192,6 +192,26 @@ def test_no_dense_columns_give_an_empty_dense_block_per_row(tmp_path):
     assert cols.dense.dtype == np.float32
 
 
+def test_boolean_and_float_labels_and_boolean_dense(tmp_path):
+    """Boolean and float 0/1 labels are accepted; a boolean dense column reads as 0/1.
+
+    The module docstring allows boolean labels and numbers, but ``fill_null(0)`` raised
+    ``ArrowInvalid`` on every boolean column (pyarrow cannot make 0 a boolean): such a
+    file could not be read at all.
+    """
+    p = write(
+        tmp_path / "a.parquet",
+        y=pa.array([True, False]),
+        d=pa.array([True, None]),
+        s=[1, 2],
+    )
+    cols = read_parquet([p], mapping())
+    assert cols.labels.tolist() == [1.0, 0.0]
+    assert cols.dense.tolist() == [[1.0], [0.0]]
+    q = write(tmp_path / "b.parquet", y=pa.array([0.0, 1.0]), d=[1, 2], s=[1, 2])
+    assert read_parquet([q], mapping()).labels.tolist() == [0.0, 1.0]
+
+
 @pytest.mark.parametrize("kind", [pa.string(), pa.large_string()])
 def test_string_labels_are_0_or_1(tmp_path, kind):
     """``"0"``/``"1"`` strings are labels; another string or a null is named with its row."""
