@@ -1,0 +1,88 @@
+"""The kernels' op layer (``ops.py``, ``tbe.py``): behaviour found by mutation testing.
+
+Each test kills mutants of ``tetrarec.kernels.tbe`` or ``tetrarec.kernels.ops`` that the
+other kernel tests left alive (mutation/README.md, section "tetrarec/kernels ops"); its
+docstring names the behaviour the mutants break.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from tetrarec.embedding import SparseOptimizerSpec, TableConfig
+from tetrarec.kernels import FusedEmbeddingBagCollection
+from tetrarec.sparse import SparseFeatures
+
+SGD = SparseOptimizerSpec(kind="sgd", lr=0.1)
+
+
+def raises_exactly(message: str):
+    """``pytest.raises(ValueError)`` whose message must be exactly ``message``."""
+    return pytest.raises(ValueError, match=f"^{re.escape(message)}$")
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4", "fp16"])
+def test_row_gradients_gives_the_rows_current_values_decoded(precision):
+    """``row_gradients`` returns each touched row's current value as FP32 ``(U, D)``.
+
+    For packed INT8/INT4 rows the decode needs the table's dim: a mutant that passed no
+    dim decoded nothing (an error) instead of the rows ``table_weights`` gives.
+    """
+    tables = [
+        TableConfig(name="a", num_embeddings=9, dim=6, precision=precision),
+        TableConfig(name="b", num_embeddings=5, dim=4, precision=precision),
+    ]
+    ebc = FusedEmbeddingBagCollection(tables, SGD, seed=3)
+    sf = SparseFeatures.from_lists({"a": [[4, 1], [4]], "b": [[2], []]})
+    grad = torch.arange(2 * 10, dtype=torch.float32).view(2, 10)
+    weights = ebc.table_weights()
+    for i, t in enumerate(tables):
+        rows, grads, current = ebc.row_gradients(i, grad, sf.values, sf.lengths, None)
+        assert current.dtype == torch.float32
+        assert current.shape == grads.shape == (rows.numel(), t.dim)
+        assert torch.equal(current, weights[t.name][rows])
+    assert rows.tolist() == [2]
+
+
+TABLES = [
+    TableConfig(name="a", num_embeddings=7, dim=4),
+    TableConfig(name="b", num_embeddings=5, dim=4, feature_names=("b_click", "b_view")),
+]
+
+
+def test_an_id_outside_its_table_found_in_backward_is_named_exactly():
+    """With ``check_bounds=False`` a bad id fails in backward with the forward's message
+    plus where it was found, so the user knows to turn the check on."""
+    ebc = FusedEmbeddingBagCollection(TABLES, SGD, check_bounds=False, seed=0)
+    sf = SparseFeatures.from_lists({"a": [[1], [2]], "b_click": [[0], [4]], "b_view": [[3], [-1]]})
+    out = ebc(sf).values
+    with raises_exactly(
+        "feature 'b_view': id -1 is outside its table 'b' of 5 rows (valid ids are 0..4)"
+        " (found in backward: check_bounds is off)"
+    ):
+        out.sum().backward()
+
+
+def test_load_optimizer_state_copies_bitwise_and_names_what_does_not_fit():
+    """``load_optimizer_state`` copies every table's state in place, and refuses other
+    tables, other state names and another shape with messages that name them."""
+    spec = SparseOptimizerSpec(kind="adam", lr=0.1)
+    src = FusedEmbeddingBagCollection(TABLES, spec, seed=0)
+    dst = FusedEmbeddingBagCollection(TABLES, spec, seed=1)
+    state = src.optimizer_state()
+    for i, names in enumerate(state.values()):
+        for j, v in enumerate(names.values()):
+            v.copy_(torch.arange(v.numel(), dtype=torch.float32).view(v.shape) * (i + 1) + j)
+    dst.load_optimizer_state(state)
+    got = dst.optimizer_state()
+    assert all(torch.equal(got[t][n], v) for t, names in state.items() for n, v in names.items())
+    with raises_exactly("optimizer state for tables ['a', 'z'], this module has ['a', 'b']"):
+        dst.load_optimizer_state({"a": state["a"], "z": state["b"]})
+    with raises_exactly(f"table 'b': optimizer state ['m'], expected {sorted(state['b'])}"):
+        dst.load_optimizer_state({"a": state["a"], "b": {"m": state["b"]["exp_avg"]}})
+    short = {**state["b"], "exp_avg": state["b"]["exp_avg"][:3]}
+    with raises_exactly("table 'b' state 'exp_avg': expected (5, 4), got (3, 4)"):
+        dst.load_optimizer_state({"a": state["a"], "b": short})
