@@ -86,3 +86,16 @@ def test_load_optimizer_state_copies_bitwise_and_names_what_does_not_fit():
     short = {**state["b"], "exp_avg": state["b"]["exp_avg"][:3]}
     with raises_exactly("table 'b' state 'exp_avg': expected (5, 4), got (3, 4)"):
         dst.load_optimizer_state({"a": state["a"], "b": short})
+
+
+def test_a_missing_table_does_not_stop_loading_the_others():
+    """A non-strict load without one table's rows still loads the tables after it, and
+    reports just the missing one (a mutant stopped at the first missing table)."""
+    src = FusedEmbeddingBagCollection(TABLES, SGD, seed=0)
+    dst = FusedEmbeddingBagCollection(TABLES, SGD, seed=1)
+    state = {k: v for k, v in src.state_dict().items() if k != "weights.a"}
+    result = dst.load_state_dict(state, strict=False)
+    assert result.missing_keys == ["weights.a"]
+    assert result.unexpected_keys == []
+    assert torch.equal(dst.table_weights()["b"], src.table_weights()["b"])
+    assert not torch.equal(dst.table_weights()["a"], src.table_weights()["a"])
