@@ -99,3 +99,24 @@ def test_a_missing_table_does_not_stop_loading_the_others():
     assert result.unexpected_keys == []
     assert torch.equal(dst.table_weights()["b"], src.table_weights()["b"])
     assert not torch.equal(dst.table_weights()["a"], src.table_weights()["a"])
+
+
+@pytest.mark.parametrize(
+    ("rows", "want"),
+    [
+        (torch.zeros(3, 4), "weights.a: expected (7, 4) torch.float32, got (3, 4) torch.float32"),
+        (
+            torch.zeros(7, 4, dtype=torch.float64),
+            "weights.a: expected (7, 4) torch.float32, got (7, 4) torch.float64",
+        ),
+    ],
+)
+def test_rows_of_another_size_or_dtype_are_refused_by_name(rows, want):
+    """Rows of another size, or of the right size in another dtype, are an error naming the
+    table, not a reshape failure or a silent cast (a mutant required both to differ)."""
+    ebc = FusedEmbeddingBagCollection(TABLES, SGD, seed=0)
+    before = ebc.table_weights()["a"].clone()
+    state = {**ebc.state_dict(), "weights.a": rows}
+    with pytest.raises(RuntimeError, match=re.escape(want)):
+        ebc.load_state_dict(state)
+    assert torch.equal(ebc.table_weights()["a"], before)
