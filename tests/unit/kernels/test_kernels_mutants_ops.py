@@ -90,13 +90,15 @@ def test_load_optimizer_state_copies_bitwise_and_names_what_does_not_fit():
 
 def test_a_missing_table_does_not_stop_loading_the_others():
     """A non-strict load without one table's rows still loads the tables after it, and
-    reports just the missing one (a mutant stopped at the first missing table)."""
+    reports just the missing one (a mutant stopped at the first missing table) and the
+    unexpected keys by name."""
     src = FusedEmbeddingBagCollection(TABLES, SGD, seed=0)
     dst = FusedEmbeddingBagCollection(TABLES, SGD, seed=1)
     state = {k: v for k, v in src.state_dict().items() if k != "weights.a"}
+    state["weights.z"] = torch.zeros(2, 4)
     result = dst.load_state_dict(state, strict=False)
     assert result.missing_keys == ["weights.a"]
-    assert result.unexpected_keys == []
+    assert result.unexpected_keys == ["weights.z"]
     assert torch.equal(dst.table_weights()["b"], src.table_weights()["b"])
     assert not torch.equal(dst.table_weights()["a"], src.table_weights()["a"])
 
@@ -120,3 +122,14 @@ def test_rows_of_another_size_or_dtype_are_refused_by_name(rows, want):
     with pytest.raises(RuntimeError, match=re.escape(want)):
         ebc.load_state_dict(state)
     assert torch.equal(ebc.table_weights()["a"], before)
+
+
+def test_every_table_that_does_not_fit_is_named():
+    """When several tables' rows do not fit, the error names each of them (a mutant
+    stopped checking at the first)."""
+    ebc = FusedEmbeddingBagCollection(TABLES, SGD, seed=0)
+    state = {**ebc.state_dict(), "weights.a": torch.zeros(3, 4), "weights.b": torch.zeros(2, 4)}
+    with pytest.raises(RuntimeError) as info:
+        ebc.load_state_dict(state)
+    assert "weights.a: expected (7, 4) torch.float32, got (3, 4) torch.float32" in str(info.value)
+    assert "weights.b: expected (5, 4) torch.float32, got (2, 4) torch.float32" in str(info.value)
