@@ -133,3 +133,13 @@ def test_every_table_that_does_not_fit_is_named():
         ebc.load_state_dict(state)
     assert "weights.a: expected (7, 4) torch.float32, got (3, 4) torch.float32" in str(info.value)
     assert "weights.b: expected (5, 4) torch.float32, got (2, 4) torch.float32" in str(info.value)
+
+
+def test_a_dim_1_tables_per_element_state_keeps_its_column():
+    """Per-element state is ``(rows, dim)`` even for a dim-1 table, per-row state
+    ``(rows,)``: the state dict's shapes follow the layout, not the table's dim (a mutant
+    squeezed every state)."""
+    tables = [TableConfig(name="t", num_embeddings=6, dim=1)]
+    ebc = FusedEmbeddingBagCollection(tables, SparseOptimizerSpec(kind="adam", lr=0.1), seed=0)
+    shapes = {k: tuple(v.shape) for k, v in ebc.optimizer_state()["t"].items()}
+    assert shapes == {"exp_avg": (6, 1), "exp_avg_sq": (6, 1), "step": (6,)}
