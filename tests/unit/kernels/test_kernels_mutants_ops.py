@@ -143,3 +143,18 @@ def test_a_dim_1_tables_per_element_state_keeps_its_column():
     ebc = FusedEmbeddingBagCollection(tables, SparseOptimizerSpec(kind="adam", lr=0.1), seed=0)
     shapes = {k: tuple(v.shape) for k, v in ebc.optimizer_state()["t"].items()}
     assert shapes == {"exp_avg": (6, 1), "exp_avg_sq": (6, 1), "step": (6,)}
+
+
+def test_apply_gradients_returns_the_weights_gradient_only_when_asked():
+    """``apply_gradients`` returns ``None`` unless ``want_psw`` (its documented default),
+    and the ``(N,)`` gradient of the per-id weights when asked, with the same update."""
+    sf = SparseFeatures.from_lists({"a": [[1, 2], [3]], "b_click": [[0], []], "b_view": [[4], [1]]})
+    psw = torch.linspace(0.5, 1.5, sf.values.numel())
+    grad = torch.ones(2, 8)
+    plain = FusedEmbeddingBagCollection(TABLES, SGD, seed=0)
+    asked = FusedEmbeddingBagCollection(TABLES, SGD, seed=0)
+    assert plain.apply_gradients(grad, sf.values, sf.lengths, psw) is None
+    got = asked.apply_gradients(grad, sf.values, sf.lengths, psw, want_psw=True)
+    assert got is not None
+    assert got.shape == (sf.values.numel(),)
+    assert all(torch.equal(v, asked.table_weights()[k]) for k, v in plain.table_weights().items())
