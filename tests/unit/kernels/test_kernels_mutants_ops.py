@@ -158,3 +158,35 @@ def test_apply_gradients_returns_the_weights_gradient_only_when_asked():
     assert got is not None
     assert got.shape == (sf.values.numel(),)
     assert all(torch.equal(v, asked.table_weights()[k]) for k, v in plain.table_weights().items())
+
+
+def test_each_update_advances_the_rounding_stream_by_one():
+    """Every ``apply_gradients`` moves the stochastic-rounding iteration on by one, and the
+    state dict saves it, so a resumed run rounds as the uninterrupted one."""
+    ebc = FusedEmbeddingBagCollection(TABLES, SGD, seed=5)
+    sf = SparseFeatures.from_lists({"a": [[1], [2]], "b_click": [[0], [4]], "b_view": [[3], []]})
+    for _ in range(3):
+        ebc.apply_gradients(torch.ones(2, 8), sf.values, sf.lengths, None)
+    assert ebc.iteration == 3
+    assert ebc.state_dict()["rounding"].tolist() == [5, 3]
+
+
+def test_per_id_weights_gradient_sums_over_the_row_stores():
+    """With tables in two row stores (FP32 and FP16), the per-id weights' gradient is the
+    sum of both stores' parts: ``grad[b, feature columns] . w[id]`` for every id."""
+    tables = [
+        TableConfig(name="a", num_embeddings=7, dim=4),
+        TableConfig(name="b", num_embeddings=5, dim=4, precision="fp16"),
+    ]
+    ebc = FusedEmbeddingBagCollection(tables, SGD, seed=0)
+    sf = SparseFeatures.from_lists({"a": [[1, 2], [3]], "b": [[0], [4, 4]]})
+    psw = torch.linspace(0.5, 1.5, sf.values.numel())
+    grad = torch.arange(16, dtype=torch.float32).view(2, 8) / 8
+    w = ebc.table_weights()
+    want = []
+    for f, (name, bags) in enumerate((("a", [[1, 2], [3]]), ("b", [[0], [4, 4]]))):
+        for b, bag in enumerate(bags):
+            want += [float(grad[b, 4 * f : 4 * f + 4] @ w[name][i]) for i in bag]
+    got = ebc.apply_gradients(grad, sf.values, sf.lengths, psw, want_psw=True)
+    assert got is not None
+    torch.testing.assert_close(got, torch.tensor(want), rtol=1e-6, atol=1e-6)
