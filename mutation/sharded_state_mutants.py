@@ -49,7 +49,8 @@ from typing import Any
 
 MODULE = "tetrarec.train.state"
 FUNCTION = "x__save_sharded"
-SAVING = ("x__save_sharded__", "x_save_run_state__")
+# The saving side: _check_finite and _non_finite run inside the save (a nan on one rank).
+SAVING = ("x__save_sharded__", "x_save_run_state__", "x__check_finite__", "x__non_finite__")
 LOADING = ("x_load_run_state__", "x__check_same_layout__")
 MUTANTS = Path("mutants")
 TINY = (
@@ -294,9 +295,10 @@ def _files_differ(a: Path, b: Path) -> str | None:
 def mutant_names(mutmut: str) -> list[str]:
     """Every ``_save_sharded`` mutant, then mutmut's survivors in the functions around it.
 
-    ``save_run_state`` and the loading functions have sharded branches too, which one
-    process never takes (or only up to the check that refuses a sharded checkpoint
-    there): their mutants there survive mutmut.
+    ``save_run_state``, ``_check_finite`` (a nan on another rank only) and the loading
+    functions have sharded branches too, which one process never takes (or only up to
+    the check that refuses a sharded checkpoint there): their mutants there survive
+    mutmut.
     """
     text = (MUTANTS / "tetrarec/train/state.py").read_text()
     found = set(re.findall(rf"\['({FUNCTION}__mutmut_\d+)'\]", text))

@@ -65,6 +65,8 @@ def _numbers(col: pa.ChunkedArray | pa.Array, path: Path, name: str) -> np.ndarr
     ):
         raise DataError(f"expected a numeric column, got {col.type}", path=path, field=name)
     arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if pa.types.is_boolean(arr.type):
+        arr = arr.cast(pa.int8())  # fill_null(0) cannot fill a boolean array
     values: np.ndarray = arr.fill_null(0).to_numpy(zero_copy_only=False).astype(np.float64)
     return values
 

@@ -3,7 +3,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tetrarec.data import DataError, DataFileNotFoundError, ParquetDataset, hash_ids
+from tetrarec.data import (
+    ColumnMapping,
+    DataError,
+    DataFileNotFoundError,
+    ParquetDataset,
+    hash_ids,
+    hash_strings,
+    iter_parquet_blocks,
+    read_parquet,
+)
 from tetrarec.embedding import TableConfig
 
 TABLES = [
@@ -102,3 +111,268 @@ def test_errors_name_file_and_column(tmp_path):
         dataset([text])
     with pytest.raises(ValueError, match="3 sparse features"):
         dataset([a], tables=TABLES[:1])
+
+
+# --- found by mutation testing (mutation/README.md) ----------------------------------
+
+
+def mapping(dense=("d",), sparse=("s",)):
+    return ColumnMapping(label_column="y", dense_columns=dense, sparse_columns=sparse)
+
+
+def corrupt_copy(path, out):
+    """A copy of ``path`` whose first data page header is garbage (its footer still reads)."""
+    data = bytearray(path.read_bytes())
+    data[4:12] = b"\xff" * 8
+    out.write_bytes(bytes(data))
+    return out
+
+
+def corrupt_column(path, name):
+    """Garbage over the first page header of column ``name`` (the other columns still read)."""
+    meta = pq.ParquetFile(path).metadata.row_group(0)
+    col = next(
+        meta.column(i) for i in range(meta.num_columns) if meta.column(i).path_in_schema == name
+    )
+    start = col.dictionary_page_offset if col.has_dictionary_page else col.data_page_offset
+    data = bytearray(path.read_bytes())
+    data[start : start + 8] = b"\xff" * 8
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_only_the_mapped_columns_are_read(tmp_path):
+    """Columns the mapping does not name are never read: here one is unreadable.
+
+    Catches ``iter_batches`` and ``read`` without ``columns=`` (every column read).
+    """
+    p = tmp_path / "a.parquet"
+    table = pa.table({"y": [0, 1], "d": [1.0, 2.0], "s": [1, 2], "extra": [5, 6]})
+    pq.write_table(table, p, compression="none")
+    corrupt_column(p, "extra")
+    assert read_parquet([p], mapping()).ids[0].tolist() == [1, 2]
+    (block,) = iter_parquet_blocks(p, mapping())
+    assert block.ids[0].tolist() == [1, 2]
+    with pytest.raises(DataError, match="cannot read parquet data"):
+        read_parquet([p], mapping(sparse=("s", "extra")))
+
+
+def test_read_parquet_gives_the_documented_dtypes_and_bags(tmp_path):
+    """Labels and dense are float32, ids and offsets int64, and ``multi_hot`` per column.
+
+    Catches the label and dense casts dropped, one-hot offsets other than ``arange``, and
+    a scalar column reported as a list (or a list column as a scalar).
+    """
+    p = write(
+        tmp_path / "a.parquet",
+        y=pa.array([1, 0], pa.int8()),
+        d=pa.array([0.25, None], pa.float64()),
+        s=pa.array([7, None], pa.int32()),
+        l=pa.array([[3, 4], None], pa.large_list(pa.int16())),
+    )
+    cols = read_parquet([p], mapping(sparse=("s", "l")))
+    assert cols.labels.dtype == np.float32
+    assert cols.labels.tolist() == [1.0, 0.0]
+    assert cols.dense.dtype == np.float32
+    assert cols.dense.tolist() == [[0.25], [0.0]]
+    assert [i.dtype for i in cols.ids] == [np.int64, np.int64]
+    assert cols.ids[0].tolist() == [7, 0]
+    assert cols.ids[1].tolist() == [3, 4]
+    assert [o.dtype for o in cols.offsets] == [np.int64, np.int64]
+    assert cols.offsets[0].tolist() == [0, 1, 2]
+    assert cols.offsets[1].tolist() == [0, 2, 2]
+    assert cols.multi_hot == (False, True)
+
+
+def test_no_dense_columns_give_an_empty_dense_block_per_row(tmp_path):
+    """Without dense columns ``dense`` is ``(rows, 0)`` float32, not another shape."""
+    p = write(tmp_path / "a.parquet", y=[0, 1, 1], s=[1, 2, 3])
+    cols = read_parquet([p], mapping(dense=()))
+    assert cols.dense.shape == (3, 0)
+    assert cols.dense.dtype == np.float32
+
+
+def test_boolean_and_float_labels_and_boolean_dense(tmp_path):
+    """Boolean and float 0/1 labels are accepted; a boolean dense column reads as 0/1.
+
+    The module docstring allows boolean labels and numbers, but ``fill_null(0)`` raised
+    ``ArrowInvalid`` on every boolean column (pyarrow cannot make 0 a boolean): such a
+    file could not be read at all.
+    """
+    p = write(
+        tmp_path / "a.parquet",
+        y=pa.array([True, False]),
+        d=pa.array([True, None]),
+        s=[1, 2],
+    )
+    cols = read_parquet([p], mapping())
+    assert cols.labels.tolist() == [1.0, 0.0]
+    assert cols.dense.tolist() == [[1.0], [0.0]]
+    q = write(tmp_path / "b.parquet", y=pa.array([0.0, 1.0]), d=[1, 2], s=[1, 2])
+    assert read_parquet([q], mapping()).labels.tolist() == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("kind", [pa.string(), pa.large_string()])
+def test_string_labels_are_0_or_1(tmp_path, kind):
+    """``"0"``/``"1"`` strings are labels; another string or a null is named with its row."""
+    p = write(tmp_path / "a.parquet", y=pa.array(["1", "0", "1"], kind), d=[1, 2, 3], s=[1, 2, 3])
+    assert read_parquet([p], mapping()).labels.tolist() == [1.0, 0.0, 1.0]
+    bad = write(
+        tmp_path / "b.parquet", y=pa.array(["1", "yes", None, "0"], kind), d=[1] * 4, s=[1] * 4
+    )
+    msg = "b.parquet, field y: label is not 0 or 1 (row 2 holds 'yes'; 2 such rows)"
+    with pytest.raises(DataError) as e:
+        read_parquet([bad], mapping())
+    assert str(e.value) == f"{bad}, field y: label is not 0 or 1 (row 2 holds 'yes'; 2 such rows)"
+    assert str(e.value).endswith(msg)
+
+
+def test_a_null_numeric_label_is_refused(tmp_path):
+    """A null label is not 0: it is refused like a 2, and counted with the other bad rows."""
+    p = write(tmp_path / "a.parquet", y=pa.array([0, None, 3, 1]), d=[1] * 4, s=[1] * 4)
+    with pytest.raises(DataError) as e:
+        read_parquet([p], mapping())
+    assert str(e.value) == f"{p}, field y: label is not 0 or 1 (row 2 holds None; 2 such rows)"
+
+
+def test_a_label_column_of_another_type_is_named(tmp_path):
+    """A label column that is neither numeric nor text is refused naming file and column."""
+    p = write(tmp_path / "a.parquet", y=pa.array([b"1"], pa.binary()), d=[1], s=[1])
+    with pytest.raises(DataError) as e:
+        read_parquet([p], mapping())
+    assert str(e.value) == f"{p}, field y: expected a numeric column, got binary"
+
+
+def test_a_non_numeric_dense_column_is_named(tmp_path):
+    """A string dense column is refused with the column's type, not read as numbers."""
+    p = write(tmp_path / "a.parquet", y=[0], d=["1.5"], s=[1])
+    with pytest.raises(DataError) as e:
+        read_parquet([p], mapping())
+    assert str(e.value) == f"{p}, field d: expected a numeric column, got string"
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        pa.string(),
+        pa.large_string(),
+        pa.binary(),
+        pa.large_binary(),
+        pa.dictionary(pa.int32(), pa.string()),
+    ],
+)
+def test_every_text_type_is_hashed_as_its_bytes(tmp_path, kind):
+    """Each text type of the module docstring gives ``hash_strings`` of the value's bytes."""
+    values = ["ab", None, "", "ab"]
+    arr = pa.array(values, pa.string()).cast(kind)
+    p = write(tmp_path / "a.parquet", y=[0, 1, 0, 1], d=[1, 2, 3, 4], s=arr)
+    cols = read_parquet([p], mapping())
+    assert cols.ids[0].tolist() == hash_strings(values).tolist()
+    assert cols.ids[0].tolist()[1:3] == [0, 0]
+    assert cols.multi_hot == (False,)
+
+
+def test_list_of_strings_and_the_wrong_item_type(tmp_path):
+    """A list of strings is a bag of hashed strings; a list of floats is refused by name."""
+    p = write(
+        tmp_path / "a.parquet",
+        y=[0, 1],
+        d=[1, 2],
+        s=pa.array([["a", None], None], pa.list_(pa.string())),
+    )
+    cols = read_parquet([p], mapping())
+    assert cols.ids[0].tolist() == hash_strings(["a", None]).tolist()
+    assert cols.offsets[0].tolist() == [0, 2, 2]
+    bad = write(tmp_path / "b.parquet", y=[0], d=[1], s=pa.array([[1.5]]))
+    with pytest.raises(DataError) as e:
+        read_parquet([bad], mapping())
+    assert str(e.value) == (
+        f"{bad}, field s: expected an integer, string or list<integer or string> column, "
+        "got list<element: double>"
+    )
+
+
+def test_open_errors_have_exact_messages(tmp_path):
+    """A missing file, a missing column (listing the file's) and junk are named exactly."""
+    p = write(tmp_path / "a.parquet", y=[0], d=[1.0], s=[1])
+    with pytest.raises(DataError) as e:
+        read_parquet([p], mapping(dense=("d", "x")))
+    assert str(e.value) == f"{p}: columns ['x'] are not in the file; it has ['y', 'd', 's']"
+    junk = tmp_path / "junk.parquet"
+    junk.write_bytes(b"not parquet at all")
+    with pytest.raises(DataError) as e:
+        read_parquet([junk], mapping())
+    assert str(e.value).startswith(f"{junk}: not a readable parquet file (")
+    none = tmp_path / "none.parquet"
+    for read in (
+        lambda: read_parquet([none], mapping()),
+        lambda: next(iter_parquet_blocks(none, mapping())),
+    ):
+        with pytest.raises(DataFileNotFoundError) as missing:
+            read()
+        assert str(missing.value) == f"input file not found: {none}"
+    with pytest.raises(ValueError, match=r"^read_parquet needs at least one file$"):
+        read_parquet([], mapping())
+
+
+def test_corrupt_data_is_a_data_error_naming_the_file(tmp_path):
+    """A file whose footer reads but whose data does not raises ``DataError``, not OSError."""
+    good = write(
+        tmp_path / "good.parquet",
+        y=pa.array(np.arange(1000) % 2),
+        d=np.arange(1000.0),
+        s=np.arange(1000),
+    )
+    pq.write_table(pq.read_table(good), good, compression="none")
+    bad = corrupt_copy(good, tmp_path / "bad.parquet")
+    for read in (
+        lambda: read_parquet([good, bad], mapping()),
+        lambda: list(iter_parquet_blocks(bad, mapping())),
+    ):
+        with pytest.raises(DataError) as e:
+            read()
+        assert str(e.value).startswith(f"{bad}: cannot read parquet data (")
+
+
+def test_iter_parquet_blocks_reads_the_file_and_reports_its_size_once(tmp_path):
+    """The blocks hold the file's rows in order; ``on_bytes`` gets the size once, at the end."""
+    p = write(tmp_path / "a.parquet", y=[0, 1, 1], d=[1.0, 2.0, 3.0], s=pa.array([[1], [], [2, 3]]))
+    seen = []
+    blocks = iter_parquet_blocks(p, mapping(), on_bytes=seen.append)
+    first = next(blocks)
+    assert seen == []
+    assert list(blocks) == []
+    assert seen == [p.stat().st_size]
+    assert first.labels.tolist() == [0.0, 1.0, 1.0]
+    assert first.dense.tolist() == [[1.0], [2.0], [3.0]]
+    assert first.ids[0].tolist() == [1, 2, 3]
+    assert first.offsets[0].tolist() == [0, 1, 1, 3]
+    (only,) = iter_parquet_blocks(str(p), mapping())  # read to the end, no on_bytes
+    assert only.rows == 3
+
+
+def test_iter_parquet_blocks_numbers_rows_across_blocks(tmp_path):
+    """A bad label in a later block is named by its row in the file, not in its block.
+
+    The file has two blocks (2**20 rows each) and one row more, the bad label last.
+    Catches the row count restarting per block or set to the last block's size.
+    """
+    n = 2 * (1 << 20) + 1
+    y = np.zeros(n, dtype=np.int8)
+    y[-1] = 5
+    p = write(tmp_path / "a.parquet", y=y, s=np.zeros(n, dtype=np.int8))
+    blocks = iter_parquet_blocks(p, mapping(dense=()))
+    assert [next(blocks).rows, next(blocks).rows] == [1 << 20, 1 << 20]
+    with pytest.raises(DataError) as e:
+        next(blocks)
+    assert str(e.value) == f"{p}, field y: label is not 0 or 1 (row {n} holds 5; 1 such rows)"
+
+
+def test_a_file_with_no_rows_is_refused_by_name(tmp_path):
+    """A dataset of files with no rows at all is an error naming the files."""
+    p = write(tmp_path / "a.parquet", y=pa.array([], pa.int8()), u=pa.array([], pa.int64()))
+    with pytest.raises(DataError) as e:
+        ParquetDataset(
+            [p], dense_columns=(), sparse_columns=("u",), label_column="y", tables=TABLES[:1]
+        )
+    assert str(e.value) == f"no rows in [{str(p)!r}]"
