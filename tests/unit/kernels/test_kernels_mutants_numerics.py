@@ -186,3 +186,52 @@ def test_codec_errors_name_the_value_and_the_valid_ones() -> None:
         "int4 rows of dim 4 are 8 bytes, got shape (8,)",
     )
     assert dequantize_rows(u8, Precision.INT4, 4).shape == (2, 4)
+
+
+# Every 16-bit draw once: r = floor(65536 u) takes each value 0..65535 exactly once.
+ALL_DRAWS = (torch.arange(65536, dtype=torch.float32) + 0.5) / 65536
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+@pytest.mark.parametrize(
+    ("dtype", "lo", "gap", "steps", "grid"),
+    [
+        (torch.bfloat16, 1.0, 2.0**-7, [1, 0x3000, 0xFFFF], 65536),  # 16 bits below BF16
+        (torch.float16, 1.0, 2.0**-10, [1, 0x0C00, 0x1FFF], 8192),  # 13 bits below FP16
+        (torch.float16, 3 * 2.0**-24, 2.0**-24, [1, 0x3000, 0xFFFF], 65536),  # subnormal
+    ],
+    ids=["bf16", "fp16", "fp16-subnormal"],
+)
+def test_stochastic_round_rounds_up_in_exactly_p_of_the_draws(dtype, lo, gap, steps, grid, sign):
+    """Over all 65536 draws, ``x = lo + (k / grid) gap`` rounds up (in magnitude) in
+    exactly ``k / grid`` of them: the rule is exactly unbiased on its 16-bit draw grid.
+
+    Bugs caught: the draw scaled by another factor than 65536 or clamped to start at 1
+    (one draw in 65536 moves to the next code: invisible to statistical tests), the
+    wrong number of random bits below the target's last mantissa bit.
+    """
+    for k in steps:
+        x = torch.full((65536,), sign * (lo + k / grid * gap))
+        assert abs(x[0].item()) == lo + k / grid * gap  # exact in FP32
+        out = stochastic_round(x, dtype, noise=ALL_DRAWS).float()
+        up = out.abs() == lo + gap
+        assert bool((up | (out.abs() == lo)).all())
+        assert int(up.sum()) == k * 65536 // grid, k
+
+
+def test_stochastic_round_draws_from_the_generator_it_is_given() -> None:
+    """Two generators seeded alike give the same rounding, another seed another one.
+
+    Bug caught: the draws taken from torch's global generator instead of ``generator``
+    (a seeded run would not be reproducible).
+    """
+    x = torch.full((4096,), 1.0 + 2.0**-12)
+
+    def rounded(seed: int) -> torch.Tensor:
+        return stochastic_round(x, torch.bfloat16, generator=torch.Generator().manual_seed(seed))
+
+    torch.manual_seed(0)
+    a = rounded(1)
+    torch.manual_seed(99)
+    assert torch.equal(rounded(1), a)
+    assert not torch.equal(rounded(2), a)
