@@ -198,9 +198,10 @@ ALL_DRAWS = (torch.arange(65536, dtype=torch.float32) + 0.5) / 65536
     [
         (torch.bfloat16, 1.0, 2.0**-7, [1, 0x3000, 0xFFFF], 65536),  # 16 bits below BF16
         (torch.float16, 1.0, 2.0**-10, [1, 0x0C00, 0x1FFF], 8192),  # 13 bits below FP16
-        (torch.float16, 3 * 2.0**-24, 2.0**-24, [1, 0x3000, 0xFFFF], 65536),  # subnormal
+        # subnormal, below 2^7 spacings: the FP32 sum |x| 2^24 + (r + 1/2) / 65536 is exact
+        (torch.float16, 3 * 2.0**-24, 2.0**-24, [1, 0x3000, 0xFFFF], 65536),
     ],
-    ids=["bf16", "fp16", "fp16-subnormal"],
+    ids=["bf16", "fp16", "fp16-subnormal", "fp16-subnormal-1000"],
 )
 def test_stochastic_round_rounds_up_in_exactly_p_of_the_draws(dtype, lo, gap, steps, grid, sign):
     """Over all 65536 draws, ``x = lo + (k / grid) gap`` rounds up (in magnitude) in
@@ -208,7 +209,8 @@ def test_stochastic_round_rounds_up_in_exactly_p_of_the_draws(dtype, lo, gap, st
 
     Bugs caught: the draw scaled by another factor than 65536 or clamped to start at 1
     (one draw in 65536 moves to the next code: invisible to statistical tests), the
-    wrong number of random bits below the target's last mantissa bit.
+    wrong number of random bits below the target's last mantissa bit, a subnormal
+    rule whose draw is offset or scaled otherwise.
     """
     for k in steps:
         x = torch.full((65536,), sign * (lo + k / grid * gap))
