@@ -221,16 +221,21 @@ def test_stochastic_round_rounds_up_in_exactly_p_of_the_draws(dtype, lo, gap, st
         assert int(up.sum()) == k * 65536 // grid, k
 
 
-def test_stochastic_round_draws_from_the_generator_it_is_given() -> None:
+@pytest.mark.parametrize(
+    "precision", [Precision.BF16, Precision.FP16, Precision.INT8, Precision.INT4], ids=str
+)
+def test_stochastic_rounding_draws_from_the_generator_it_is_given(precision: Precision) -> None:
     """Two generators seeded alike give the same rounding, another seed another one.
 
     Bug caught: the draws taken from torch's global generator instead of ``generator``
-    (a seeded run would not be reproducible).
+    (a seeded run would not be reproducible), in ``encode_rows``, ``stochastic_round``
+    or ``quantize_rows``.
     """
-    x = torch.full((4096,), 1.0 + 2.0**-12)
+    x = torch.linspace(-1.0, 1.0, 64).repeat(64, 1) + 2.0**-12
 
     def rounded(seed: int) -> torch.Tensor:
-        return stochastic_round(x, torch.bfloat16, generator=torch.Generator().manual_seed(seed))
+        gen = torch.Generator().manual_seed(seed)
+        return encode_rows(x, precision, stochastic=True, generator=gen)
 
     torch.manual_seed(0)
     a = rounded(1)
