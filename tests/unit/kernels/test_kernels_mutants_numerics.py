@@ -188,10 +188,6 @@ def test_codec_errors_name_the_value_and_the_valid_ones() -> None:
     assert dequantize_rows(u8, Precision.INT4, 4).shape == (2, 4)
 
 
-# Every 16-bit draw once: r = floor(65536 u) takes each value 0..65535 exactly once.
-ALL_DRAWS = (torch.arange(65536, dtype=torch.float32) + 0.5) / 65536
-
-
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 @pytest.mark.parametrize(
     ("dtype", "lo", "gap", "steps", "grid"),
@@ -212,10 +208,14 @@ def test_stochastic_round_rounds_up_in_exactly_p_of_the_draws(dtype, lo, gap, st
     wrong number of random bits below the target's last mantissa bit, a subnormal
     rule whose draw is offset or scaled otherwise.
     """
+    # Every 16-bit draw once: r = floor(65536 u) takes each value 0..65535 exactly once.
+    # (Built here, not at import: a tensor op this large at import starts torch's thread
+    # pool in mutmut's fork server, and its forked workers then deadlock.)
+    all_draws = (torch.arange(65536, dtype=torch.float32) + 0.5) / 65536
     for k in steps:
         x = torch.full((65536,), sign * (lo + k / grid * gap))
         assert abs(x[0].item()) == lo + k / grid * gap  # exact in FP32
-        out = stochastic_round(x, dtype, noise=ALL_DRAWS).float()
+        out = stochastic_round(x, dtype, noise=all_draws).float()
         up = out.abs() == lo + gap
         assert bool((up | (out.abs() == lo)).all())
         assert int(up.sum()) == k * 65536 // grid, k
