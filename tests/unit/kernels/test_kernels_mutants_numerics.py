@@ -7,6 +7,7 @@ docstrings name that bug.
 """
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -242,3 +243,25 @@ def test_stochastic_rounding_draws_from_the_generator_it_is_given(precision: Pre
     torch.manual_seed(99)
     assert torch.equal(rounded(1), a)
     assert not torch.equal(rounded(2), a)
+
+
+# -- the portable lookup and update (reference.py) -----------------------------------------
+
+
+def test_rounding_noise_takes_any_seed_and_iteration_modulo_2_to_the_64() -> None:
+    """Seeds and iterations wrap modulo 2^64, as the compiled kernel's ``uint64`` does:
+    ``-1`` draws as ``2^64 - 1``, ``2^64 + 5`` as ``5``; and no overflow warning is given
+    (the 64-bit hash wraps on purpose).
+
+    Bugs caught: another modulus (a negative or large seed then raised ``OverflowError``),
+    numpy's overflow warning let through on every backward pass.
+    """
+    keys = torch.tensor([0, 7, 2**40], dtype=torch.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for a, b in [((-1, 3), (2**64 - 1, 3)), ((2**64 + 5, 3), (5, 3))]:
+            want = reference.rounding_noise(*b, keys, 2, 4)
+            assert torch.equal(reference.rounding_noise(*a, keys, 2, 4), want)
+        for a, b in [((9, -1), (9, 2**64 - 1)), ((9, 2**64 + 5), (9, 5))]:
+            want = reference.rounding_noise(*b, keys, 2, 4)
+            assert torch.equal(reference.rounding_noise(*a, keys, 2, 4), want)
