@@ -265,3 +265,20 @@ def test_rounding_noise_takes_any_seed_and_iteration_modulo_2_to_the_64() -> Non
         for a, b in [((9, -1), (9, 2**64 - 1)), ((9, 2**64 + 5), (9, 5))]:
             want = reference.rounding_noise(*b, keys, 2, 4)
             assert torch.equal(reference.rounding_noise(*a, keys, 2, 4), want)
+
+
+def test_rounding_noise_draws_are_the_midpoints_of_all_65536_cells() -> None:
+    """Each draw is ``(r + 1/2) / 65536`` for a 16-bit ``r``, strictly inside (0, 1), and
+    a million draws use every ``r``: ``floor(65536 u)`` gives back the kernel's 16 bits.
+
+    Bugs caught: draws offset by a whole cell (``r - 1/2`` or ``r + 3/2``: the first and
+    last cells leave (0, 1) and every rounding decision moves by one draw in 65536) or
+    scaled by ``1/65537`` (off the cell midpoints).
+    """
+    keys = torch.arange(4096, dtype=torch.int64) * 977
+    u = reference.rounding_noise(3, 1, keys, 0, 256).double()  # (4096, 256)
+    assert bool((u > 0).all())
+    assert bool((u < 1).all())
+    r = u * 65536 - 0.5
+    assert torch.equal(r, r.floor())
+    assert torch.equal(r.unique(), torch.arange(65536, dtype=torch.float64))
