@@ -1,0 +1,284 @@
+"""Kernel numerics found by mutation testing (``mutation/README.md``, kernels section).
+
+Each test pins a behaviour of the oracles in ``tetrarec/kernels`` (row codecs, optimizer
+rules, the portable lookup and update, the row-store layout, the fused optimizer's
+surface) that a seeded bug changed while every other selected test still passed. The
+docstrings name that bug.
+"""
+
+import re
+import warnings
+
+import pytest
+import torch
+
+from tetrarec.embedding import SparseOptimizerSpec, TableConfig, TableSlice
+from tetrarec.kernels import (
+    FusedEmbeddingBagCollection,
+    decode_rows,
+    dequantize_rows,
+    encode_rows,
+    quantize_rows,
+    reference,
+    stochastic_round,
+)
+from tetrarec.kernels._build import compiled_cpu_kernels
+from tetrarec.sparse import SparseFeatures
+from tetrarec.types import Precision
+
+PRECISIONS = [Precision.FP32, Precision.FP16, Precision.BF16, Precision.INT8, Precision.INT4]
+
+
+def _stored(rows: torch.Tensor, precision: Precision) -> torch.Tensor:
+    return encode_rows(rows, precision, stochastic=False)
+
+
+# -- rows between FP32 buffers and row stores (the mixed-precision cache) ----------------
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=lambda p: p.value)
+def test_load_rows_decodes_each_indexed_row_into_its_slot(precision: Precision) -> None:
+    """``dst[dst_index[j]] = decode(src[src_index[j]])``; other rows of ``dst`` untouched.
+
+    Bugs caught: rows decoded with another width or precision, read from or written to
+    the wrong index, or the whole buffer overwritten (the cache would serve another
+    row's values).
+    """
+    gen = torch.Generator().manual_seed(0)
+    src = _stored(torch.randn(6, 5, generator=gen), precision)
+    dst = torch.full((4, 5), 7.0)
+    reference.load_rows(src, torch.tensor([4, 0, 2]), dst, torch.tensor([1, 3, 0]), precision.value)
+    want = decode_rows(src, precision, 5)
+    assert torch.equal(dst[[1, 3, 0]], want[[4, 0, 2]])
+    assert torch.equal(dst[2], torch.full((5,), 7.0))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=lambda p: p.value)
+def test_store_rows_rounds_to_nearest_without_the_stochastic_flag(precision: Precision) -> None:
+    """Flags ``[0, ...]``: ``dst[dst_index[j]] = encode(src[src_index[j]])`` rounded to
+    nearest, other stored rows untouched.
+
+    Bugs caught: stochastic rounding applied although not asked for, rows encoded in
+    another precision, written to the wrong rows.
+    """
+    gen = torch.Generator().manual_seed(1)
+    src = torch.randn(3, 6, generator=gen)
+    dst = _stored(torch.zeros(5, 6), precision)
+    before = dst.clone()
+    flags = [0, 3, 4, 1000, 0]
+    reference.store_rows(
+        src, torch.tensor([2, 0]), dst, torch.tensor([4, 1]), precision.value, flags
+    )
+    assert torch.equal(dst[[4, 1]], _stored(src[[2, 0]], precision))
+    assert torch.equal(dst[[0, 2, 3]], before[[0, 2, 3]])
+
+
+@pytest.mark.parametrize(
+    "precision", [Precision.FP16, Precision.BF16, Precision.INT8], ids=lambda p: p.value
+)
+def test_store_rows_draws_what_the_fused_update_draws(
+    monkeypatch: pytest.MonkeyPatch, precision: Precision
+) -> None:
+    """A row written back by the cache rounds exactly as the fused update would round it.
+
+    An SGD step with lr 1 from zero rows is exact, so the portable fused backward stores
+    ``encode(target)`` with its stochastic draws for ``(seed, iteration 0, row key + row,
+    column)``; ``store_rows`` with flags ``[1, seed, 0, row_key, col_start]`` must give
+    the same bits, here with the rows given in another order than the backward's.
+
+    Bugs caught: draws keyed by a row's position in the call instead of its row (key +
+    ``dst_index``), by another seed, iteration or column, round-to-nearest where the
+    flag asks for stochastic rounding (a cached run would then drift from an uncached one).
+    """
+    monkeypatch.setenv("TETRAREC_KERNELS", "reference")
+    rows, dim, seed = 8, 6, 11
+    table = TableConfig(name="t", num_embeddings=rows, dim=dim, precision=precision.value)
+    ebc = FusedEmbeddingBagCollection(
+        [table], SparseOptimizerSpec(kind="sgd", lr=1.0), seed=seed, stochastic_rounding=True
+    )
+    zeros = _stored(torch.zeros(rows, dim), precision)
+    ebc.load_state_dict({"weights.t": zeros.clone()})
+    gen = torch.Generator().manual_seed(2)
+    if precision.is_integer:  # every row spans [-1, 1] (its scale), interior codes round
+        target = torch.rand(rows, dim, generator=gen) * 2 - 1
+        target[:, 0], target[:, -1] = -1.0, 1.0
+    else:
+        target = torch.rand(rows, dim, generator=gen) * 1e-2
+    ebc(SparseFeatures.from_lists({"t": [[i] for i in range(rows)]})).values.backward(-target)
+    fused = ebc.state_dict()["weights.t"]
+    assert not torch.equal(fused, _stored(target, precision))  # some draw rounded up
+
+    dst = zeros.clone()
+    order = torch.tensor([5, 0, 7, 2, 1, 6, 3, 4])
+    flags = [1, seed, 0, TableSlice(table=table).row_key(), 0]
+    reference.store_rows(target, order, dst, order, precision.value, flags)
+    assert torch.equal(dst, fused)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=lambda p: p.value)
+def test_compiled_load_and_store_rows_equal_the_portable_ones(precision: Precision) -> None:
+    """The compiled ``load_rows`` and ``store_rows`` (what the CPU cache runs) and the
+    portable ones (the oracle, what runs elsewhere) give the same bits, stochastic
+    rounding included.
+
+    Bugs caught: any change to the portable codecs' indexing, flags or draws that the
+    compiled kernel does not share.
+    """
+    ext = compiled_cpu_kernels()
+    if ext is None:
+        pytest.skip("the compiled CPU kernel did not build on this machine")
+    gen = torch.Generator().manual_seed(3)
+    src_f = torch.randn(7, 9, generator=gen) * 0.1
+    src_i, dst_i = torch.tensor([6, 1, 3, 0]), torch.tensor([2, 9, 4, 7])
+    stored = _stored(torch.randn(10, 9, generator=gen), precision)
+    for flags in ([0, 0, 0, 0, 0], [1, 5, 3, 123456789, 17]):
+        got, want = stored.clone(), stored.clone()
+        ext.store_rows(src_f, src_i, got, dst_i, precision.value, flags)
+        reference.store_rows(src_f, src_i, want, dst_i, precision.value, flags)
+        assert torch.equal(got, want), flags
+    got_f, want_f = torch.full((8, 9), 3.0), torch.full((8, 9), 3.0)
+    ext.load_rows(stored, dst_i, got_f, src_i, precision.value)
+    reference.load_rows(stored, dst_i, want_f, src_i, precision.value)
+    assert torch.equal(got_f, want_f)
+
+
+# -- row codecs (quant.py) -----------------------------------------------------------------
+
+
+def _raises(fn, message: str) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        fn()
+
+
+def test_codec_errors_name_the_value_and_the_valid_ones() -> None:
+    """Each codec refuses bad input with its exact message: the precision or dtype it got
+    and what it takes, the shapes that disagree.
+
+    Bugs caught: a garbled list of valid precisions, a message that drops the value given
+    or the shape expected, a row width check that also refuses good rows.
+    """
+    x = torch.zeros(2, 2)
+    _raises(
+        lambda: encode_rows(x, Precision.FP8, stochastic=False),
+        "row precision 'fp8' is not supported; valid: fp32, fp16, bf16, int8, int4",
+    )
+    _raises(
+        lambda: stochastic_round(x, torch.float32),
+        "stochastic_round targets float16 or bfloat16, got torch.float32",
+    )
+    _raises(
+        lambda: stochastic_round(x, torch.float16, noise=torch.zeros(2, 3)),
+        "noise (2, 3) must be shaped like x (2, 2)",
+    )
+    _raises(
+        lambda: quantize_rows(x, Precision.FP16), "quantize_rows packs INT8/INT4 rows, got fp16"
+    )
+    u8 = torch.zeros(2, 8, dtype=torch.uint8)
+    _raises(
+        lambda: dequantize_rows(u8, Precision.BF16, 4),
+        "dequantize_rows unpacks INT8/INT4 rows, got bf16",
+    )
+    _raises(
+        lambda: dequantize_rows(u8[:, :7], Precision.INT8, 4),
+        "int8 rows of dim 4 are 8 bytes, got shape (2, 7)",
+    )
+    _raises(
+        lambda: dequantize_rows(u8[0], Precision.INT4, 4),
+        "int4 rows of dim 4 are 8 bytes, got shape (8,)",
+    )
+    assert dequantize_rows(u8, Precision.INT4, 4).shape == (2, 4)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+@pytest.mark.parametrize(
+    ("dtype", "lo", "gap", "steps", "grid"),
+    [
+        (torch.bfloat16, 1.0, 2.0**-7, [1, 0x3000, 0xFFFF], 65536),  # 16 bits below BF16
+        (torch.float16, 1.0, 2.0**-10, [1, 0x0C00, 0x1FFF], 8192),  # 13 bits below FP16
+        # subnormal, below 2^7 spacings: the FP32 sum |x| 2^24 + (r + 1/2) / 65536 is exact
+        (torch.float16, 3 * 2.0**-24, 2.0**-24, [1, 0x3000, 0xFFFF], 65536),
+    ],
+    ids=["bf16", "fp16", "fp16-subnormal"],
+)
+def test_stochastic_round_rounds_up_in_exactly_p_of_the_draws(dtype, lo, gap, steps, grid, sign):
+    """Over all 65536 draws, ``x = lo + (k / grid) gap`` rounds up (in magnitude) in
+    exactly ``k / grid`` of them: the rule is exactly unbiased on its 16-bit draw grid.
+
+    Bugs caught: the draw scaled by another factor than 65536 or clamped to start at 1
+    (one draw in 65536 moves to the next code: invisible to statistical tests), the
+    wrong number of random bits below the target's last mantissa bit, a subnormal
+    rule whose draw is offset or scaled otherwise.
+    """
+    # Every 16-bit draw once: r = floor(65536 u) takes each value 0..65535 exactly once.
+    # (Built here, not at import: a tensor op this large at import starts torch's thread
+    # pool in mutmut's fork server, and its forked workers then deadlock.)
+    all_draws = (torch.arange(65536, dtype=torch.float32) + 0.5) / 65536
+    for k in steps:
+        x = torch.full((65536,), sign * (lo + k / grid * gap))
+        assert abs(x[0].item()) == lo + k / grid * gap  # exact in FP32
+        out = stochastic_round(x, dtype, noise=all_draws).float()
+        up = out.abs() == lo + gap
+        assert bool((up | (out.abs() == lo)).all())
+        assert int(up.sum()) == k * 65536 // grid, k
+
+
+@pytest.mark.parametrize(
+    "precision", [Precision.BF16, Precision.FP16, Precision.INT8, Precision.INT4], ids=str
+)
+def test_stochastic_rounding_draws_from_the_generator_it_is_given(precision: Precision) -> None:
+    """Two generators seeded alike give the same rounding, another seed another one.
+
+    Bug caught: the draws taken from torch's global generator instead of ``generator``
+    (a seeded run would not be reproducible), in ``encode_rows``, ``stochastic_round``
+    or ``quantize_rows``.
+    """
+    x = torch.linspace(-1.0, 1.0, 64).repeat(64, 1) + 2.0**-12
+
+    def rounded(seed: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(seed)
+        return encode_rows(x, precision, stochastic=True, generator=gen)
+
+    torch.manual_seed(0)
+    a = rounded(1)
+    torch.manual_seed(99)
+    assert torch.equal(rounded(1), a)
+    assert not torch.equal(rounded(2), a)
+
+
+# -- the portable lookup and update (reference.py) -----------------------------------------
+
+
+def test_rounding_noise_takes_any_seed_and_iteration_modulo_2_to_the_64() -> None:
+    """Seeds and iterations wrap modulo 2^64, as the compiled kernel's ``uint64`` does:
+    ``-1`` draws as ``2^64 - 1``, ``2^64 + 5`` as ``5``; and no overflow warning is given
+    (the 64-bit hash wraps on purpose).
+
+    Bugs caught: another modulus (a negative or large seed then raised ``OverflowError``),
+    numpy's overflow warning let through on every backward pass.
+    """
+    keys = torch.tensor([0, 7, 2**40], dtype=torch.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for a, b in [((-1, 3), (2**64 - 1, 3)), ((2**64 + 5, 3), (5, 3))]:
+            want = reference.rounding_noise(*b, keys, 2, 4)
+            assert torch.equal(reference.rounding_noise(*a, keys, 2, 4), want)
+        for a, b in [((9, -1), (9, 2**64 - 1)), ((9, 2**64 + 5), (9, 5))]:
+            want = reference.rounding_noise(*b, keys, 2, 4)
+            assert torch.equal(reference.rounding_noise(*a, keys, 2, 4), want)
+
+
+def test_rounding_noise_draws_are_the_midpoints_of_all_65536_cells() -> None:
+    """Each draw is ``(r + 1/2) / 65536`` for a 16-bit ``r``, strictly inside (0, 1), and
+    a million draws use every ``r``: ``floor(65536 u)`` gives back the kernel's 16 bits.
+
+    Bugs caught: draws offset by a whole cell (``r - 1/2`` or ``r + 3/2``: the first and
+    last cells leave (0, 1) and every rounding decision moves by one draw in 65536) or
+    scaled by ``1/65537`` (off the cell midpoints).
+    """
+    keys = torch.arange(4096, dtype=torch.int64) * 977
+    u = reference.rounding_noise(3, 1, keys, 0, 256).double()  # (4096, 256)
+    assert bool((u > 0).all())
+    assert bool((u < 1).all())
+    r = u * 65536 - 0.5
+    assert torch.equal(r, r.floor())
+    assert torch.equal(r.unique(), torch.arange(65536, dtype=torch.float64))
