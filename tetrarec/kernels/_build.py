@@ -6,12 +6,15 @@ lock in the build directory, so two processes compiling at once wait for each ot
 
 The build directory is keyed by everything that changes the binary: the bytes of every
 file in ``csrc/``, the compile and link flags, the compiler (``CXX``), the torch version
-and this CPU's model and feature flags (the kernels are built with ``-march=native``).
-Two checkouts with different sources on one machine therefore keep two builds instead
-of rebuilding each other's on every run. Checkouts with the same sources share one
-build: the sources are compiled from a copy staged in the build directory
-(``<build>/src``), so the paths ninja records are the same from every checkout (compiled
-from the checkouts' own paths, each checkout's first run would rebuild the other's).
+and installation (the include and library paths that torch puts on the command line, and
+Python's headers), and this CPU's model and feature flags (the kernels are built with
+``-march=native``). Two checkouts with different sources, or with their own virtual
+environments, on one machine therefore keep two builds instead of rebuilding each
+other's on every run (ninja rebuilds everything when the command line changes).
+Checkouts with the same sources share one build: the sources are compiled from a copy
+staged in the build directory (``<build>/src``), so the paths ninja records are the same
+from every checkout (compiled from the checkouts' own paths, each checkout's first run
+would rebuild the other's).
 
 If compilation fails (no compiler, no ninja, a compile error), one warning is logged and
 the portable PyTorch path in ``reference.py`` runs instead, unless a failed build must
@@ -27,6 +30,7 @@ import hashlib
 import logging
 import os
 import platform
+import sysconfig
 import threading
 import time
 from pathlib import Path
@@ -99,6 +103,10 @@ def build_key(csrc: Path = _CSRC) -> str:
         " ".join(_LDFLAGS),
         os.environ.get("CXX", "c++"),
         torch.__version__,
+        # The command line names torch's headers and libraries and Python's headers by
+        # path: a checkout with its own venv would rebuild another's build on each run.
+        str(Path(torch.__file__).resolve().parent),
+        sysconfig.get_paths()["include"],
         platform.machine(),
         *_cpu_facts(),
     ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,8 @@ def test_build_key_follows_the_sources_not_the_path(tmp_path: Path) -> None:
 
 def test_build_key_follows_compiler_flags_and_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fails if a binary built with other flags, another compiler or another torch is
-    loaded from the cache."""
+    loaded from the cache, or if two venvs share one build directory (each run of one
+    would rebuild the other's kernels: a 2-step training run took minutes)."""
     import torch
 
     base = build_key()
@@ -45,7 +47,19 @@ def test_build_key_follows_compiler_flags_and_torch(monkeypatch: pytest.MonkeyPa
     monkeypatch.undo()
     monkeypatch.setattr(torch, "__version__", "0.0.1")
     other_torch = build_key()
-    assert len({base, flags, compiler, other_torch}) == 4
+    monkeypatch.undo()
+    assert build_key() == base
+    # Another venv: ninja's command line names torch's and Python's headers by path, so
+    # one build directory shared by two venvs is rebuilt by each in turn.
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/site-packages/torch/__init__.py")
+    other_venv = build_key()
+    monkeypatch.undo()
+    real = sysconfig.get_paths
+    monkeypatch.setattr(
+        sysconfig, "get_paths", lambda *a, **k: {**real(*a, **k), "include": "/other/py"}
+    )
+    other_python = build_key()
+    assert len({base, flags, compiler, other_torch, other_venv, other_python}) == 6
 
 
 def _failing_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *, ci: str | None) -> None:
