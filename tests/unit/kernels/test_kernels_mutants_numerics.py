@@ -303,27 +303,29 @@ def _layout_tables() -> list[TableConfig]:
 
 def test_plan_stores_places_tables_back_to_back_per_precision() -> None:
     """Stores in order of first precision; each table's storage, row and state offsets
-    are the running sums of the tables before it in its store (row-wise Adam: a ``dim``
-    wide ``exp_avg``, one ``exp_avg_sq`` and one ``step`` value per row).
+    (three tables in one store) are the running sums of the tables before it in its
+    store (row-wise Adam: a ``dim`` wide ``exp_avg``, one ``exp_avg_sq`` and one
+    ``step`` value per row).
 
     Bugs caught: a table's offsets counted from the wrong table or with the wrong width
     (the kernels would read another table's rows or state), state names for another
     dim or kind, the stores' sizes off.
     """
-    stores = plan_stores(_layout_tables(), OptimizerKind.ROWWISE_ADAM)
+    tables = [*_layout_tables(), TableConfig(name="e", num_embeddings=6, dim=2)]
+    stores = plan_stores(tables, OptimizerKind.ROWWISE_ADAM)
     b_w = row_width(Precision.INT8, 6)
     d_w = row_width(Precision.INT8, 8)
     assert (b_w, d_w) == (12, 12)
     assert stores == (
         RowStore(
             precision=Precision.FP32,
-            tables=(0, 2),
-            w_offsets=(0, 40),
-            row_offsets=(0, 10),
+            tables=(0, 2, 4),
+            w_offsets=(0, 40, 55),
+            row_offsets=(0, 10, 15),
             state_names=("exp_avg", "exp_avg_sq", "step"),
-            state_offsets=((0, 40), (0, 10), (0, 10)),
-            numel=55,
-            state_numel=(55, 15, 15),
+            state_offsets=((0, 40, 55), (0, 10, 15), (0, 10, 15)),
+            numel=67,
+            state_numel=(67, 21, 21),
         ),
         RowStore(
             precision=Precision.INT8,
@@ -354,11 +356,12 @@ def test_row_store_meta_is_the_nine_int64_tensors_of_ops() -> None:
     """The meta of the INT8 store: its tables' storage offsets, dims, rows, row offsets;
     per feature of the whole collection its table in the store (-1: another store), its
     first output column and whether it is mean-pooled; per table its rounding key and
-    first global column.
+    first global column. They are made on the device asked for.
 
     Bugs caught: features mapped to the wrong table or column (the lookup would write a
     feature into another's columns), mean pooling flagged for sum, the rounding keys or
-    columns of other tables (stochastic rounding would differ from the unsharded run).
+    columns of other tables (stochastic rounding would differ from the unsharded run),
+    the tensors made on the CPU for a module on another device.
     """
     tables = _layout_tables()
     tables[1] = TableConfig(
@@ -386,6 +389,8 @@ def test_row_store_meta_is_the_nine_int64_tensors_of_ops() -> None:
         [2, 6],
     ]
     assert slices[1].row_key() != slices[3].row_key()
+    elsewhere = int8.meta(tables, slices, torch.device("meta"))
+    assert [m.device.type for m in elsewhere] == ["meta"] * 9
 
 
 # -- memory.py: huge-page advice for the large host buffers -----------------------------
@@ -490,3 +495,74 @@ def test_host_buffer_has_the_size_type_and_fill_asked_for() -> None:
     assert bool((big == -1.0).all())
     if sys.platform.startswith("linux") and os.path.exists(_THP):
         assert _huge_page_spans(big) == _aligned_interior(big)
+
+
+@needs_thp
+@pytest.mark.parametrize(("skew", "extra"), [(0, 1), (1, 0)], ids=["aligned", "one-past"])
+def test_advise_huge_pages_rounds_the_span_inward_to_2mib(skew: int, extra: int) -> None:
+    """A buffer that starts exactly on a 2 MiB boundary is advised from its first byte;
+    one that starts a byte past one, from the next boundary; a length one byte over a
+    multiple of 2 MiB is advised to the multiple only.
+
+    Bugs caught: the start rounded up past an aligned start, or down to before the
+    buffer (advising memory the buffer does not own), the length not rounded down to a
+    whole huge page.
+    """
+    base = torch.empty(40 * _MIB, dtype=torch.uint8)
+    first = -(-base.data_ptr() // (2 * _MIB)) * (2 * _MIB) - base.data_ptr() + skew
+    t = base[first : first + 32 * _MIB + extra]
+    assert advise_huge_pages(t) is True
+    assert _huge_page_spans(t) == _aligned_interior(t)
+
+
+@needs_thp
+def test_advise_huge_pages_reports_a_refused_advice(caplog: pytest.LogCaptureFixture) -> None:
+    """When madvise fails (here: part of the range is not mapped) the advice is not
+    taken (``False``) and the debug log names the call and the OS error.
+
+    Bugs caught: a failure reported as advice taken, the log without the error.
+    """
+    import ctypes
+    import logging
+    import mmap
+
+    from tetrarec.kernels import memory
+
+    region = mmap.mmap(-1, 64 * _MIB)
+    t = torch.frombuffer(region, dtype=torch.uint8)
+    libc = ctypes.CDLL(None, use_errno=True)
+    hole = -(-t.data_ptr() // (2 * _MIB)) * (2 * _MIB) + 8 * _MIB
+    assert libc.munmap(ctypes.c_void_p(hole), ctypes.c_size_t(2 * _MIB)) == 0
+    with caplog.at_level(logging.DEBUG, logger=memory.__name__):
+        assert advise_huge_pages(t) is False
+    assert [r.getMessage() for r in caplog.records] == [
+        f"madvise(MADV_HUGEPAGE) failed: {os.strerror(12)}"
+    ]
+    del t
+
+
+def test_advise_huge_pages_without_libc_declines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Elsewhere than Linux there is no libc to advise with: ``False``, no call.
+
+    Bug caught: a missing libc reported as advice taken.
+    """
+    from tetrarec.kernels import memory
+
+    monkeypatch.delenv("TETRAREC_HUGE_PAGES", raising=False)
+    monkeypatch.setattr(sys, "platform", "darwin")
+    memory._libc.cache_clear()
+    try:
+        assert advise_huge_pages(torch.empty(32 * _MIB, dtype=torch.uint8)) is False
+    finally:
+        monkeypatch.undo()
+        memory._libc.cache_clear()
+
+
+def test_host_buffer_is_made_on_the_device_asked_for() -> None:
+    """``host_buffer(..., device)`` puts the buffer on ``device``.
+
+    Bug caught: the buffer made on the CPU for a module on another device.
+    """
+    t = host_buffer(5, torch.float32, torch.device("meta"), fill=1.0)
+    assert t.device.type == "meta"
+    assert t.shape == (5,)
