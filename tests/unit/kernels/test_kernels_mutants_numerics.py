@@ -6,7 +6,9 @@ surface) that a seeded bug changed while every other selected test still passed.
 docstrings name that bug.
 """
 
+import os
 import re
+import sys
 import warnings
 
 import pytest
@@ -23,8 +25,11 @@ from tetrarec.kernels import (
     stochastic_round,
 )
 from tetrarec.kernels._build import compiled_cpu_kernels
+from tetrarec.kernels.layout import RowStore, plan_stores
+from tetrarec.kernels.memory import advise_huge_pages, host_buffer
+from tetrarec.kernels.quant import row_width
 from tetrarec.sparse import SparseFeatures
-from tetrarec.types import Precision
+from tetrarec.types import OptimizerKind, PoolingMode, Precision
 
 PRECISIONS = [Precision.FP32, Precision.FP16, Precision.BF16, Precision.INT8, Precision.INT4]
 
@@ -282,3 +287,282 @@ def test_rounding_noise_draws_are_the_midpoints_of_all_65536_cells() -> None:
     r = u * 65536 - 0.5
     assert torch.equal(r, r.floor())
     assert torch.equal(r.unique(), torch.arange(65536, dtype=torch.float64))
+
+
+# -- layout.py: where each table sits in the flat row stores ---------------------------
+
+
+def _layout_tables() -> list[TableConfig]:
+    return [
+        TableConfig(name="a", num_embeddings=10, dim=4),
+        TableConfig(name="b", num_embeddings=7, dim=6, precision=Precision.INT8),
+        TableConfig(name="c", num_embeddings=5, dim=3),
+        TableConfig(name="d", num_embeddings=3, dim=8, precision=Precision.INT8),
+    ]
+
+
+def test_plan_stores_places_tables_back_to_back_per_precision() -> None:
+    """Stores in order of first precision; each table's storage, row and state offsets
+    (three tables in one store) are the running sums of the tables before it in its
+    store (row-wise Adam: a ``dim`` wide ``exp_avg``, one ``exp_avg_sq`` and one
+    ``step`` value per row).
+
+    Bugs caught: a table's offsets counted from the wrong table or with the wrong width
+    (the kernels would read another table's rows or state), state names for another
+    dim or kind, the stores' sizes off.
+    """
+    tables = [*_layout_tables(), TableConfig(name="e", num_embeddings=6, dim=2)]
+    stores = plan_stores(tables, OptimizerKind.ROWWISE_ADAM)
+    b_w = row_width(Precision.INT8, 6)
+    d_w = row_width(Precision.INT8, 8)
+    assert (b_w, d_w) == (12, 12)
+    assert stores == (
+        RowStore(
+            precision=Precision.FP32,
+            tables=(0, 2, 4),
+            w_offsets=(0, 40, 55),
+            row_offsets=(0, 10, 15),
+            state_names=("exp_avg", "exp_avg_sq", "step"),
+            state_offsets=((0, 40, 55), (0, 10, 15), (0, 10, 15)),
+            numel=67,
+            state_numel=(67, 21, 21),
+        ),
+        RowStore(
+            precision=Precision.INT8,
+            tables=(1, 3),
+            w_offsets=(0, 7 * b_w),
+            row_offsets=(0, 7),
+            state_names=("exp_avg", "exp_avg_sq", "step"),
+            state_offsets=((0, 42), (0, 7), (0, 7)),
+            numel=7 * b_w + 3 * d_w,
+            state_numel=(42 + 24, 10, 10),
+        ),
+    )
+    (sgd,) = plan_stores(_layout_tables()[:1], OptimizerKind.SGD)
+    assert (sgd.state_names, sgd.state_offsets, sgd.state_numel) == ((), (), ())
+
+
+def test_plan_stores_rejects_fp8_rows_by_name() -> None:
+    """FP8 tables are refused before any store is planned, naming the precision.
+
+    Bug caught: the precision check dropped, so an FP8 table got a store of FP8 width.
+    """
+    tables = [TableConfig(name="a", num_embeddings=4, dim=4, precision=Precision.FP8)]
+    with pytest.raises(ValueError, match="fp8"):
+        plan_stores(tables, OptimizerKind.SGD)
+
+
+def test_row_store_meta_is_the_nine_int64_tensors_of_ops() -> None:
+    """The meta of the INT8 store: its tables' storage offsets, dims, rows, row offsets;
+    per feature of the whole collection its table in the store (-1: another store), its
+    first output column and whether it is mean-pooled; per table its rounding key and
+    first global column. They are made on the device asked for.
+
+    Bugs caught: features mapped to the wrong table or column (the lookup would write a
+    feature into another's columns), mean pooling flagged for sum, the rounding keys or
+    columns of other tables (stochastic rounding would differ from the unsharded run),
+    the tensors made on the CPU for a module on another device.
+    """
+    tables = _layout_tables()
+    tables[1] = TableConfig(
+        name="b",
+        num_embeddings=7,
+        dim=6,
+        precision=Precision.INT8,
+        feature_names=("b1", "b2"),
+        pooling=PoolingMode.MEAN,
+    )
+    slices = [TableSlice(table=t, row_start=i, col_start=2 * i) for i, t in enumerate(tables)]
+    _, int8 = plan_stores(tables, OptimizerKind.ADAGRAD)
+    meta = int8.meta(tables, slices, torch.device("cpu"))
+    assert all(m.dtype == torch.int64 and m.device.type == "cpu" for m in meta)
+    b_w = row_width(Precision.INT8, 6)
+    assert [m.tolist() for m in meta] == [
+        [0, 7 * b_w],
+        [6, 8],
+        [7, 3],
+        [0, 7],
+        [-1, 0, 0, -1, 1],
+        [0, 4, 10, 16, 19],
+        [0, 1, 1, 0, 0],
+        [slices[1].row_key(), slices[3].row_key()],
+        [2, 6],
+    ]
+    assert slices[1].row_key() != slices[3].row_key()
+    elsewhere = int8.meta(tables, slices, torch.device("meta"))
+    assert [m.device.type for m in elsewhere] == ["meta"] * 9
+
+
+# -- memory.py: huge-page advice for the large host buffers -----------------------------
+
+_THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+_MIB = 1 << 20
+
+
+def _huge_page_spans(t: torch.Tensor) -> list[tuple[int, int]]:
+    """The parts of ``t``'s memory in mappings flagged ``hg`` (MADV_HUGEPAGE)."""
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    spans, vma = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+            if m:
+                vma = (int(m.group(1), 16), int(m.group(2), 16))
+            elif line.startswith("VmFlags") and vma is not None:
+                lo, hi = max(vma[0], start), min(vma[1], end)
+                if lo < hi and "hg" in line.split():
+                    spans.append((lo, hi))
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(spans):
+        if merged and merged[-1][1] == lo:
+            merged[-1] = (merged[-1][0], hi)
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _aligned_interior(t: torch.Tensor) -> list[tuple[int, int]]:
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    lo = -(-start // (2 * _MIB)) * (2 * _MIB)
+    return [(lo, lo + (end - lo) // (2 * _MIB) * (2 * _MIB))]
+
+
+needs_thp = pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and os.path.exists(_THP)),
+    reason="transparent huge pages (Linux) needed",
+)
+
+
+@needs_thp
+def test_advise_huge_pages_flags_exactly_the_2mib_aligned_interior(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fresh 32 MiB CPU buffer (the threshold) is advised ``MADV_HUGEPAGE`` over its
+    2 MiB-aligned interior, and nothing else of it: the kernel's ``hg`` flag in
+    ``/proc/self/smaps`` covers exactly that span.
+
+    Bugs caught: another madvise advice (15 is ``MADV_NOHUGEPAGE``), an unaligned or
+    wrongly sized span (madvise refuses it, or advises memory outside the buffer), the
+    threshold raised above 32 MiB, the environment default read as "off".
+    """
+    monkeypatch.delenv("TETRAREC_HUGE_PAGES", raising=False)
+    t = torch.empty(32 * _MIB, dtype=torch.uint8)
+    assert advise_huge_pages(t) is True
+    assert _huge_page_spans(t) == _aligned_interior(t)
+
+
+@needs_thp
+def test_advise_huge_pages_declines_small_off_or_non_cpu_buffers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No advice (``False``, no ``hg`` memory) below 32 MiB, with
+    ``TETRAREC_HUGE_PAGES=0``, or for a tensor not on the CPU; ``=1`` advises.
+
+    Bugs caught: the size threshold lowered, the switch ignored or inverted, advice given
+    to a non-CPU tensor's address.
+    """
+    monkeypatch.setenv("TETRAREC_HUGE_PAGES", "0")
+    off = torch.empty(64 * _MIB, dtype=torch.uint8)
+    assert advise_huge_pages(off) is False
+    assert _huge_page_spans(off) == []
+    monkeypatch.setenv("TETRAREC_HUGE_PAGES", "1")
+    small = torch.empty(32 * _MIB - 1, dtype=torch.uint8)
+    assert advise_huge_pages(small) is False
+    assert _huge_page_spans(small) == []
+    assert advise_huge_pages(torch.empty(16 * _MIB, dtype=torch.int64, device="meta")) is False
+    on = torch.empty(8 * _MIB, dtype=torch.float32)
+    assert advise_huge_pages(on) is True
+    assert _huge_page_spans(on) == _aligned_interior(on)
+
+
+def test_host_buffer_has_the_size_type_and_fill_asked_for() -> None:
+    """``host_buffer(n, dtype, device, fill)`` is 1-D, ``n`` long, of ``dtype``, every
+    element ``fill``; a large one is also advised.
+
+    Bugs caught: the fill skipped or given another value, the buffer of another size or
+    type (the flat tables would be cut wrongly).
+    """
+    small = host_buffer(7, torch.float16, torch.device("cpu"), fill=2.5)
+    assert small.shape == (7,)
+    assert small.dtype == torch.float16
+    assert torch.equal(small, torch.full((7,), 2.5, dtype=torch.float16))
+    empty = host_buffer(3, torch.int32, torch.device("cpu"))
+    assert empty.shape == (3,)
+    assert empty.dtype == torch.int32
+    big = host_buffer(8 * _MIB, torch.float32, torch.device("cpu"), fill=-1.0)
+    assert bool((big == -1.0).all())
+    if sys.platform.startswith("linux") and os.path.exists(_THP):
+        assert _huge_page_spans(big) == _aligned_interior(big)
+
+
+@needs_thp
+@pytest.mark.parametrize(("skew", "extra"), [(0, 1), (1, 0)], ids=["aligned", "one-past"])
+def test_advise_huge_pages_rounds_the_span_inward_to_2mib(skew: int, extra: int) -> None:
+    """A buffer that starts exactly on a 2 MiB boundary is advised from its first byte;
+    one that starts a byte past one, from the next boundary; a length one byte over a
+    multiple of 2 MiB is advised to the multiple only.
+
+    Bugs caught: the start rounded up past an aligned start, or down to before the
+    buffer (advising memory the buffer does not own), the length not rounded down to a
+    whole huge page.
+    """
+    base = torch.empty(40 * _MIB, dtype=torch.uint8)
+    first = -(-base.data_ptr() // (2 * _MIB)) * (2 * _MIB) - base.data_ptr() + skew
+    t = base[first : first + 32 * _MIB + extra]
+    assert advise_huge_pages(t) is True
+    assert _huge_page_spans(t) == _aligned_interior(t)
+
+
+@needs_thp
+def test_advise_huge_pages_reports_a_refused_advice(caplog: pytest.LogCaptureFixture) -> None:
+    """When madvise fails (here: part of the range is not mapped) the advice is not
+    taken (``False``) and the debug log names the call and the OS error.
+
+    Bugs caught: a failure reported as advice taken, the log without the error.
+    """
+    import ctypes
+    import logging
+    import mmap
+
+    from tetrarec.kernels import memory
+
+    region = mmap.mmap(-1, 64 * _MIB)
+    t = torch.frombuffer(region, dtype=torch.uint8)
+    libc = ctypes.CDLL(None, use_errno=True)
+    hole = -(-t.data_ptr() // (2 * _MIB)) * (2 * _MIB) + 8 * _MIB
+    assert libc.munmap(ctypes.c_void_p(hole), ctypes.c_size_t(2 * _MIB)) == 0
+    with caplog.at_level(logging.DEBUG, logger=memory.__name__):
+        assert advise_huge_pages(t) is False
+    assert [r.getMessage() for r in caplog.records] == [
+        f"madvise(MADV_HUGEPAGE) failed: {os.strerror(12)}"
+    ]
+    del t
+
+
+def test_advise_huge_pages_without_libc_declines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Elsewhere than Linux there is no libc to advise with: ``False``, no call.
+
+    Bug caught: a missing libc reported as advice taken.
+    """
+    from tetrarec.kernels import memory
+
+    monkeypatch.delenv("TETRAREC_HUGE_PAGES", raising=False)
+    monkeypatch.setattr(sys, "platform", "darwin")
+    memory._libc.cache_clear()
+    try:
+        assert advise_huge_pages(torch.empty(32 * _MIB, dtype=torch.uint8)) is False
+    finally:
+        monkeypatch.undo()
+        memory._libc.cache_clear()
+
+
+def test_host_buffer_is_made_on_the_device_asked_for() -> None:
+    """``host_buffer(..., device)`` puts the buffer on ``device``.
+
+    Bug caught: the buffer made on the CPU for a module on another device.
+    """
+    t = host_buffer(5, torch.float32, torch.device("meta"), fill=1.0)
+    assert t.device.type == "meta"
+    assert t.shape == (5,)
