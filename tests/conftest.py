@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import random
+import re
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import numpy as np
@@ -35,3 +38,14 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real data samples not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture
+def raises_exactly() -> Callable[[str], AbstractContextManager[object]]:
+    """``raises_exactly(message)``: ``pytest.raises(ValueError)`` whose message must be
+    exactly ``message`` (not only contain it), for the tests of exact error messages."""
+
+    def expect(message: str) -> AbstractContextManager[object]:
+        return pytest.raises(ValueError, match=f"^{re.escape(message)}$")
+
+    return expect

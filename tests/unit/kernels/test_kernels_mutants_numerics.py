@@ -150,12 +150,7 @@ def test_compiled_load_and_store_rows_equal_the_portable_ones(precision: Precisi
 # -- row codecs (quant.py) -----------------------------------------------------------------
 
 
-def _raises(fn, message: str) -> None:
-    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        fn()
-
-
-def test_codec_errors_name_the_value_and_the_valid_ones() -> None:
+def test_codec_errors_name_the_value_and_the_valid_ones(raises_exactly) -> None:
     """Each codec refuses bad input with its exact message: the precision or dtype it got
     and what it takes, the shapes that disagree.
 
@@ -163,34 +158,22 @@ def test_codec_errors_name_the_value_and_the_valid_ones() -> None:
     or the shape expected, a row width check that also refuses good rows.
     """
     x = torch.zeros(2, 2)
-    _raises(
-        lambda: encode_rows(x, Precision.FP8, stochastic=False),
-        "row precision 'fp8' is not supported; valid: fp32, fp16, bf16, int8, int4",
-    )
-    _raises(
-        lambda: stochastic_round(x, torch.float32),
-        "stochastic_round targets float16 or bfloat16, got torch.float32",
-    )
-    _raises(
-        lambda: stochastic_round(x, torch.float16, noise=torch.zeros(2, 3)),
-        "noise (2, 3) must be shaped like x (2, 2)",
-    )
-    _raises(
-        lambda: quantize_rows(x, Precision.FP16), "quantize_rows packs INT8/INT4 rows, got fp16"
-    )
+    valid = "fp32, fp16, bf16, int8, int4"
+    with raises_exactly(f"row precision 'fp8' is not supported; valid: {valid}"):
+        encode_rows(x, Precision.FP8, stochastic=False)
+    with raises_exactly("stochastic_round targets float16 or bfloat16, got torch.float32"):
+        stochastic_round(x, torch.float32)
+    with raises_exactly("noise (2, 3) must be shaped like x (2, 2)"):
+        stochastic_round(x, torch.float16, noise=torch.zeros(2, 3))
+    with raises_exactly("quantize_rows packs INT8/INT4 rows, got fp16"):
+        quantize_rows(x, Precision.FP16)
     u8 = torch.zeros(2, 8, dtype=torch.uint8)
-    _raises(
-        lambda: dequantize_rows(u8, Precision.BF16, 4),
-        "dequantize_rows unpacks INT8/INT4 rows, got bf16",
-    )
-    _raises(
-        lambda: dequantize_rows(u8[:, :7], Precision.INT8, 4),
-        "int8 rows of dim 4 are 8 bytes, got shape (2, 7)",
-    )
-    _raises(
-        lambda: dequantize_rows(u8[0], Precision.INT4, 4),
-        "int4 rows of dim 4 are 8 bytes, got shape (8,)",
-    )
+    with raises_exactly("dequantize_rows unpacks INT8/INT4 rows, got bf16"):
+        dequantize_rows(u8, Precision.BF16, 4)
+    with raises_exactly("int8 rows of dim 4 are 8 bytes, got shape (2, 7)"):
+        dequantize_rows(u8[:, :7], Precision.INT8, 4)
+    with raises_exactly("int4 rows of dim 4 are 8 bytes, got shape (8,)"):
+        dequantize_rows(u8[0], Precision.INT4, 4)
     assert dequantize_rows(u8, Precision.INT4, 4).shape == (2, 4)
 
 

@@ -19,11 +19,6 @@ from tetrarec.sparse import SparseFeatures
 SGD = SparseOptimizerSpec(kind="sgd", lr=0.1)
 
 
-def raises_exactly(message: str):
-    """``pytest.raises(ValueError)`` whose message must be exactly ``message``."""
-    return pytest.raises(ValueError, match=f"^{re.escape(message)}$")
-
-
 @pytest.mark.parametrize("precision", ["int8", "int4", "fp16"])
 def test_row_gradients_gives_the_rows_current_values_decoded(precision):
     """``row_gradients`` returns each touched row's current value as FP32 ``(U, D)``.
@@ -53,7 +48,7 @@ TABLES = [
 ]
 
 
-def test_an_id_outside_its_table_found_in_backward_is_named_exactly():
+def test_an_id_outside_its_table_found_in_backward_is_named_exactly(raises_exactly):
     """With ``check_bounds=False`` a bad id fails in backward with the forward's message
     plus where it was found, so the user knows to turn the check on."""
     ebc = FusedEmbeddingBagCollection(TABLES, SGD, check_bounds=False, seed=0)
@@ -66,7 +61,7 @@ def test_an_id_outside_its_table_found_in_backward_is_named_exactly():
         out.sum().backward()
 
 
-def test_load_optimizer_state_copies_bitwise_and_names_what_does_not_fit():
+def test_load_optimizer_state_copies_bitwise_and_names_what_does_not_fit(raises_exactly):
     """``load_optimizer_state`` copies every table's state in place, and refuses other
     tables, other state names and another shape with messages that name them."""
     spec = SparseOptimizerSpec(kind="adam", lr=0.1)

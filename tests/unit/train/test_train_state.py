@@ -64,11 +64,6 @@ def parts_of(cfg: RunConfig) -> RunParts:
     return build_parts(cfg, num_dense=13)
 
 
-def raises_exactly(message: str):
-    """``pytest.raises(ValueError)`` whose message must be exactly ``message``."""
-    return pytest.raises(ValueError, match=f"^{re.escape(message)}$")
-
-
 def edit_meta(path: Path, **changes: object) -> None:
     """Change ``meta.json`` of checkpoint ``path`` (``None`` deletes a key)."""
     meta_path = path / "meta.json"
@@ -138,7 +133,7 @@ def test_a_one_rank_env_checkpoints_and_resumes_as_one_process(tmp_path) -> None
     assert load_run_state(path, again) == (2, 2)
 
 
-def test_a_sharded_checkpoint_in_one_process_is_a_clear_error(tmp_path) -> None:
+def test_a_sharded_checkpoint_in_one_process_is_a_clear_error(raises_exactly, tmp_path) -> None:
     """Bugs caught: a sharded checkpoint's dense file loaded as if it held the tables
     (which live in the ranks' files), or a message without the world size (or calling
     a one-rank env "1 ranks")."""
@@ -166,7 +161,9 @@ def _rewritten(path: Path, root: Path, tensors: dict[str, torch.Tensor]) -> Path
     return write_checkpoint(root, CheckpointData(step=data.step, tensors=tensors, meta=data.meta))
 
 
-def test_a_checkpoint_that_does_not_fit_names_five_missing_and_the_unexpected(tmp_path) -> None:
+def test_a_checkpoint_that_does_not_fit_names_five_missing_and_the_unexpected(
+    raises_exactly, tmp_path
+) -> None:
     """Bugs caught: missing dense tensors or unexpected ones loaded without a word
     (either alone must fail), the embeddings' keys reported as missing from the dense
     part, or another number of names than five (of eight missing, of six unexpected)."""
