@@ -28,7 +28,7 @@ def main() -> int:
     """
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("meta", help="mutants/<file>.py.meta of the file to re-check")
-    parser.add_argument("tests", help="test file (in mutants/)")
+    parser.add_argument("tests", nargs="+", help="test files (in mutants/)")
     parser.add_argument("-k", default="", help="pytest -k expression")
     parser.add_argument(
         "--names",
@@ -37,7 +37,7 @@ def main() -> int:
         help="only the mutants whose names match one of these globs (default: all)",
     )
     opts = parser.parse_args()
-    args = ["-x", "-q", "-p", "no:cacheprovider", opts.tests, "-k", opts.k]
+    args = ["-x", "-q", "-p", "no:cacheprovider", *opts.tests, "-k", opts.k]
     os.environ["MUTANT_UNDER_TEST"] = "none"
     with contextlib.redirect_stdout(io.StringIO()):
         if pytest.main(args) != 0:
