@@ -275,3 +275,17 @@ def test_the_defaults_check_bounds_deterministically_and_round_stochastically():
     assert (default.check_bounds, default.deterministic) == (True, True)
     assert torch.equal(updated(), updated(stochastic_rounding=True))
     assert not torch.equal(updated(), updated(stochastic_rounding=False))
+
+
+def test_a_collection_without_a_seed_draws_one_from_the_torch_rng():
+    """``seed=None`` draws the seed from the global torch RNG: collections built after the
+    same ``torch.manual_seed`` start alike, and the drawn seed is saved for stochastic
+    rounding (a mutant kept ``None``, which no initial row or saved state can use)."""
+    torch.manual_seed(11)
+    a = FusedEmbeddingBagCollection(TABLES, SGD)
+    torch.manual_seed(11)
+    b = FusedEmbeddingBagCollection(TABLES, SGD)
+    assert isinstance(a.seed, int)
+    assert a.seed == b.seed
+    assert a.state_dict()["rounding"].tolist() == [a.seed, 0]
+    assert all(torch.equal(w, b.table_weights()[k]) for k, w in a.table_weights().items())
