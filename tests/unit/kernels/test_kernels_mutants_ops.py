@@ -289,3 +289,17 @@ def test_a_collection_without_a_seed_draws_one_from_the_torch_rng():
     assert a.seed == b.seed
     assert a.state_dict()["rounding"].tolist() == [a.seed, 0]
     assert all(torch.equal(w, b.table_weights()[k]) for k, w in a.table_weights().items())
+
+
+def test_optimizer_state_is_fp32_whatever_the_default_dtype():
+    """Optimizer state is FP32 as documented even when a program sets another default
+    dtype (a mutant made the state buffers in the default dtype)."""
+    spec = SparseOptimizerSpec(kind="adam", lr=0.1)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        ebc = FusedEmbeddingBagCollection(TABLES, spec, seed=0)
+    finally:
+        torch.set_default_dtype(before)
+    dtypes = {v.dtype for names in ebc.optimizer_state().values() for v in names.values()}
+    assert dtypes == {torch.float32}
