@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import io
 import json
 import os
@@ -27,17 +28,27 @@ def main() -> int:
     """
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("meta", help="mutants/<file>.py.meta of the file to re-check")
-    parser.add_argument("tests", help="test file (in mutants/)")
+    parser.add_argument("tests", nargs="+", help="test files (in mutants/)")
     parser.add_argument("-k", default="", help="pytest -k expression")
+    parser.add_argument(
+        "--names",
+        nargs="+",
+        default=["*"],
+        help="only the mutants whose names match one of these globs (default: all)",
+    )
     opts = parser.parse_args()
-    args = ["-x", "-q", "-p", "no:cacheprovider", opts.tests, "-k", opts.k]
+    args = ["-x", "-q", "-p", "no:cacheprovider", *opts.tests, "-k", opts.k]
     os.environ["MUTANT_UNDER_TEST"] = "none"
     with contextlib.redirect_stdout(io.StringIO()):
         if pytest.main(args) != 0:
             print("the tests fail on the unmutated code", file=sys.stderr)
             return 1
     with open(opts.meta) as f:
-        names = list(json.load(f)["exit_code_by_key"])
+        names = [
+            name
+            for name in json.load(f)["exit_code_by_key"]
+            if any(fnmatch.fnmatchcase(name, glob) for glob in opts.names)
+        ]
     for name in names:
         os.environ["MUTANT_UNDER_TEST"] = name
         with contextlib.redirect_stdout(io.StringIO()):

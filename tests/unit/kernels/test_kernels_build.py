@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -192,3 +195,247 @@ def test_sources_are_staged_once_so_checkouts_share_a_build(
     _build._staged_sources(build)
     assert (src / "copy_cpu.cpp").read_bytes() == b"// edited\n"
     assert not list(src.glob(".*.tmp"))
+
+
+# -- Found by mutation testing (mutation/README.md, "tetrarec/kernels ops", _build.py) -----
+# Each test below fails on a seeded bug in ``_build.py`` that every other test left alive.
+# None of them compiles: a build that must fail uses a compiler that does not exist (it
+# fails in well under a second, after torch wrote its ninja file), and the one that loads
+# the kernels reuses the build this process has already loaded.
+
+_CPUINFO = (
+    "processor\t: 0\nmodel name\t: Test CPU @ 2.0GHz\nflags\t\t: fpu sse2 avx2\n\n"
+    "processor\t: 1\nmodel name\t: Test CPU @ 2.0GHz\nflags\t\t: fpu sse2 avx2\n\n"
+    "BogoMIPS\t: 50.00\nFeatures\t: fp asimd sve\n"
+)
+
+
+def test_kernel_mode_reads_tetrarec_kernels_in_any_case(
+    monkeypatch: pytest.MonkeyPatch, raises_exactly: Callable[[str], Any]
+) -> None:
+    """Fails if an unset ``TETRAREC_KERNELS`` is not ``auto``, if ``Reference`` (any case)
+    is not the portable path, or if a typo is not refused with the valid values."""
+    monkeypatch.delenv("TETRAREC_KERNELS", raising=False)
+    assert _build.kernel_mode() == "auto"
+    monkeypatch.setenv("TETRAREC_KERNELS", "Reference")
+    assert _build.kernel_mode() == "reference"
+    assert compiled_cpu_kernels() is None
+    assert kernel_path() == "portable"
+    monkeypatch.setenv("TETRAREC_KERNELS", "COMPILED")
+    assert _build.kernel_mode() == "compiled"
+    monkeypatch.setenv("TETRAREC_KERNELS", "fast")
+    with raises_exactly("TETRAREC_KERNELS='fast'; valid: auto, reference, compiled"):
+        _build.kernel_mode()
+
+
+@pytest.mark.parametrize(
+    ("ci", "mode", "strict"),
+    [
+        (None, "auto", False),
+        ("", "auto", False),
+        ("false", "auto", False),
+        ("0", "auto", False),
+        ("true", "auto", True),
+        (" TRUE ", "auto", True),
+        ("1", "auto", True),
+        ("Yes", "auto", True),
+        (None, "compiled", True),
+        (None, "reference", False),
+    ],
+)
+def test_a_failed_build_is_an_error_in_ci_or_when_compiled_is_asked(
+    monkeypatch: pytest.MonkeyPatch, ci: str | None, mode: str, strict: bool
+) -> None:
+    """Fails if CI (``CI`` set to true/1/yes, in any case and with spaces) or
+    ``TETRAREC_KERNELS=compiled`` lets a broken kernel fall back to the portable path,
+    or if a laptop (``CI`` unset, empty or false) is stopped by a missing compiler."""
+    if ci is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", ci)
+    monkeypatch.setenv("TETRAREC_KERNELS", mode)
+    assert _build.build_strict() is strict
+
+
+def test_cpu_facts_are_the_model_and_flag_lines_of_proc_cpuinfo(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Fails if the key misses the CPU's model or its feature flags (``flags`` on x86,
+    ``Features`` on ARM): kernels built with ``-march=native`` on one CPU would be
+    loaded on another from a shared cache. Without ``/proc/cpuinfo`` it falls back to
+    ``platform.processor()``. (A recorded ``/proc/cpuinfo`` stands in for this one.)"""
+    import builtins
+    import platform
+
+    recorded = tmp_path / "cpuinfo"
+    recorded.write_text(_CPUINFO)
+    where = {"/proc/cpuinfo": recorded}
+
+    def recorded_open(path: Any, *args: Any, **kwargs: Any) -> Any:
+        return builtins.open(where.get(path, path), *args, **kwargs)
+
+    monkeypatch.setattr(_build, "open", recorded_open, raising=False)
+    assert _build._cpu_facts() == [
+        "Features\t: fp asimd sve",
+        "flags\t\t: fpu sse2 avx2",
+        "model name\t: Test CPU @ 2.0GHz",
+    ]
+    where["/proc/cpuinfo"] = tmp_path / "absent"
+    assert _build._cpu_facts() == [platform.processor()]
+
+
+def test_build_key_is_16_hex_digits_and_an_explicit_default_compiler_keeps_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Fails if the key is not the 16 hex digits the cache directories are named by, if
+    ``CXX=c++`` (the compiler torch runs when ``CXX`` is unset) keys another build of
+    the same binary, or if a file other than a source (a README) changes the key."""
+    monkeypatch.delenv("CXX", raising=False)
+    key = build_key()
+    assert re.fullmatch(r"[0-9a-f]{16}", key)
+    monkeypatch.setenv("CXX", "c++")
+    assert build_key() == key
+    checkout = _checkout(tmp_path / "checkout")
+    (checkout / "README.md").write_text("notes\n")
+    assert build_key(checkout) == key
+
+
+def test_build_directory_is_under_the_cache_home(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Fails if the build directory is not ``$XDG_CACHE_HOME/tetrarec/torch_extensions/
+    <key>`` (``~/.cache`` when unset), is not created with its parents, or if asking
+    for it again (every later run) fails because it exists."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh" / "cache"))
+    path = _build._build_dir("0123456789abcdef")
+    assert (
+        path == tmp_path / "fresh" / "cache" / "tetrarec" / "torch_extensions" / "0123456789abcdef"
+    )
+    assert path.is_dir()
+    assert _build._build_dir("0123456789abcdef") == path
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    home_path = _build._build_dir("0123456789abcdef")
+    assert (
+        home_path
+        == tmp_path / "home" / ".cache" / "tetrarec" / "torch_extensions" / "0123456789abcdef"
+    )
+    assert home_path.is_dir()
+
+
+def test_sources_are_staged_in_the_build_directorys_src_past_other_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fails if the sources are not staged in ``<build>/src`` (the paths every checkout's
+    ninja file names) or if a file that is not a source (a README, which sorts before
+    the sources) stops the staging of the sources after it."""
+    checkout = _checkout(tmp_path / "checkout")
+    (checkout / "README.md").write_text("notes\n")
+    monkeypatch.setattr(_build, "_CSRC", checkout)
+    src = _build._staged_sources(tmp_path)
+    assert src == tmp_path / "src"
+    assert sorted(p.name for p in src.iterdir()) == sorted(
+        p.name for p in checkout.iterdir() if p.suffix in (".cpp", ".h")
+    )
+
+
+def _ninja_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[str, Path]:
+    """The ninja file and build directory of a build that fails (no compiler)."""
+    _failing_build(monkeypatch, tmp_path, ci="false")
+    key = build_key()
+    with pytest.raises(RuntimeError, match="no-such-compiler"):
+        _build._compile()
+    build = tmp_path / "tetrarec" / "torch_extensions" / key
+    return (build / "build.ninja").read_text(), build
+
+
+def test_the_build_compiles_every_staged_source_with_the_keyed_flags(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Fails if the command line that builds the kernels is not the one the key hashes:
+    every source of ``_SOURCES`` compiled from the staged copy (``<build>/src``) with
+    ``_CFLAGS`` (``-O3 -march=native -fopenmp -ffp-contract=off``: without the last,
+    FMA contraction changes the bits) and linked with ``_LDFLAGS``, in the keyed
+    directory, as a module named by the key (``tetrarec_cpu_<key>``); or if the build
+    prints to stdout (``verbose``)."""
+    ninja, build = _ninja_file(monkeypatch, tmp_path)
+    key = build.name
+    lines = dict(ln.split(" = ", 1) for ln in ninja.splitlines() if " = " in ln)
+    assert f"-DTORCH_EXTENSION_NAME=tetrarec_cpu_{key} " in lines["cflags"]
+    assert lines["cflags"].endswith(" " + " ".join(_build._CFLAGS))
+    assert lines["ldflags"].split()[1 : 1 + len(_build._LDFLAGS)] == list(_build._LDFLAGS)
+    for name in _build._SOURCES:
+        assert f"build {name}.o: compile {build / 'src' / name}.cpp\n" in ninja
+    assert f"build tetrarec_cpu_{key}.so: link " in ninja
+    assert capfd.readouterr().out == ""
+
+
+def test_a_failed_builds_error_and_warning_name_why_and_the_compilers_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fails if a failed build's error does not say why it is an error (``CI`` or
+    ``TETRAREC_KERNELS=compiled``) and give the build's own error (its type and message),
+    or if the warning outside CI does not name that error and the fallback, once."""
+    failed = "building tetrarec CPU kernels failed"
+    build_error = "Error building extension 'tetrarec_cpu_"
+    _failing_build(monkeypatch, tmp_path, ci="true")
+    with pytest.raises(RuntimeError) as ci_error:
+        compiled_cpu_kernels()
+    assert str(ci_error.value).startswith(
+        f"{failed} (CI is set, so this is an error, not a fallback to the portable path): "
+        f"RuntimeError: {build_error}"
+    )
+    monkeypatch.delenv("CI")
+    monkeypatch.setenv("TETRAREC_KERNELS", "compiled")
+    with pytest.raises(RuntimeError) as compiled_error:
+        compiled_cpu_kernels()
+    assert str(compiled_error.value).startswith(
+        f"{failed} (TETRAREC_KERNELS=compiled, so this is an error, not a fallback to the "
+        f"portable path): RuntimeError: {build_error}"
+    )
+    _failing_build(monkeypatch, tmp_path / "laptop", ci=None)
+    with caplog.at_level(logging.WARNING, logger="tetrarec.kernels._build"):
+        assert compiled_cpu_kernels() is None
+        assert compiled_cpu_kernels() is None
+    [warning] = [r.getMessage() for r in caplog.records if r.name == _build.logger.name]
+    assert warning.startswith(f"{failed} ({build_error}")
+    assert "no-such-compiler" in warning
+    assert warning.endswith("); using the portable PyTorch path, which is several times slower")
+
+
+def test_compiled_mode_with_built_kernels_returns_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails if ``TETRAREC_KERNELS=compiled`` (or CI) raises although the kernels built."""
+    monkeypatch.setenv("TETRAREC_KERNELS", "auto")
+    module = compiled_cpu_kernels()
+    if module is None:
+        pytest.skip("the compiled CPU kernel did not build on this machine")
+    monkeypatch.setenv("TETRAREC_KERNELS", "compiled")
+    monkeypatch.setenv("CI", "true")
+    assert compiled_cpu_kernels() is module
+    assert kernel_path() == "compiled"
+
+
+def test_a_second_load_reuses_the_keyed_build_and_logs_its_time(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Fails if loading the kernels again (as a second process does, from the cache) does
+    not give the build in ``<cache>/tetrarec/torch_extensions/<key>``, prints to stdout,
+    or logs a wrong build time (``ready in <s> s``, measured from the start of this
+    load)."""
+    monkeypatch.setenv("TETRAREC_KERNELS", "auto")
+    module = compiled_cpu_kernels()
+    if module is None:
+        pytest.skip("the compiled CPU kernel did not build on this machine")
+    key = build_key()
+    capfd.readouterr()
+    with caplog.at_level(logging.INFO, logger="tetrarec.kernels._build"):
+        again = _build._compile()
+    assert Path(again.__file__) == _build._build_dir(key) / f"tetrarec_cpu_{key}.so"
+    assert again.build_info() == module.build_info()
+    assert capfd.readouterr().out == ""
+    [message] = [r.getMessage() for r in caplog.records if r.name == _build.logger.name]
+    seconds = re.fullmatch(r"tetrarec CPU kernels ready in (\d+\.\d) s", message)
+    assert seconds is not None, message
+    assert 0 <= float(seconds[1]) < 300

@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from tetrarec.embedding import SparseOptimizerSpec, TableConfig
+from tetrarec.embedding import SparseOptimizerSpec, TableConfig, TableSlice
 from tetrarec.kernels import FusedEmbeddingBagCollection
 from tetrarec.sparse import SparseFeatures
 
@@ -185,3 +185,121 @@ def test_per_id_weights_gradient_sums_over_the_row_stores():
     got = ebc.apply_gradients(grad, sf.values, sf.lengths, psw, want_psw=True)
     assert got is not None
     torch.testing.assert_close(got, torch.tensor(want), rtol=1e-6, atol=1e-6)
+
+
+def test_per_id_weights_on_a_mean_pooled_collection_are_refused_exactly(raises_exactly):
+    """Per-id weights with a mean-pooled table are refused with the exact message (a
+    mutant garbled it); a sum-pooled collection takes them, a mean-pooled one runs
+    without them."""
+    mean = [*TABLES, TableConfig(name="m", num_embeddings=3, dim=2, pooling="mean")]
+    bags = {"a": [[1], [2]], "b_click": [[0], [4]], "b_view": [[3], []]}
+    weighted = SparseFeatures.from_lists(
+        bags, weights={k: [[0.5] * len(b) for b in v] for k, v in bags.items()}
+    )
+    assert FusedEmbeddingBagCollection(TABLES, SGD, seed=0)(weighted).values.shape == (2, 12)
+    ebc = FusedEmbeddingBagCollection(mean, SGD, seed=0)
+    assert ebc(SparseFeatures.from_lists({**bags, "m": [[2], [0, 1]]})).values.shape == (2, 14)
+    with raises_exactly("per-id weights are supported with sum pooling only"):
+        ebc(
+            SparseFeatures.from_lists(
+                {**bags, "m": [[2], [0]]},
+                weights={
+                    **{k: [[0.5] * len(b) for b in v] for k, v in bags.items()},
+                    "m": [[1.0], [1.0]],
+                },
+            )
+        )
+
+
+def test_a_bad_id_in_the_first_feature_is_named(raises_exactly):
+    """An id outside its table in the collection's first feature (index 0) is refused
+    like one in any other feature (a mutant took index 0 for "no bad id")."""
+    ebc = FusedEmbeddingBagCollection(TABLES, SGD, seed=0)
+    sf = SparseFeatures.from_lists({"a": [[1], [7]], "b_click": [[0], [4]], "b_view": [[3], []]})
+    with raises_exactly(
+        "feature 'a': id 7 is outside its table 'a' of 7 rows (valid ids are 0..6)"
+    ):
+        ebc(sf)
+
+
+def test_a_shard_starts_with_its_global_cells_and_needs_one_slice_per_table(raises_exactly):
+    """A collection built with ``slices`` (a shard) starts with the rows of its cells of
+    the global table (a mutant ignored the slices and started it as a whole table of its
+    size); a slice count other than the table count is refused with the counts."""
+    whole = TableConfig(name="g", num_embeddings=10, dim=6)
+    shard = TableConfig(name="g", num_embeddings=4, dim=2)
+    at = TableSlice(table=whole, row_start=3, col_start=2)
+    rows = FusedEmbeddingBagCollection([shard], SGD, seed=4, slices=[at]).table_weights()["g"]
+    whole_rows = FusedEmbeddingBagCollection([whole], SGD, seed=4).table_weights()["g"]
+    assert torch.equal(rows, whole_rows[3:7, 2:4])
+    with raises_exactly("2 slices for 1 tables"):
+        FusedEmbeddingBagCollection([shard], SGD, seed=4, slices=[at, at])
+
+
+def test_a_meta_collection_only_describes_its_tables():
+    """On the ``meta`` device (a layout to be sharded) no initial row is computed: a table
+    of 2^40 rows of 2^20 columns is described at once (a mutant computed its first
+    chunk of initial rows, which cannot be allocated)."""
+    huge = TableConfig(name="h", num_embeddings=1 << 40, dim=1 << 20)
+    ebc = FusedEmbeddingBagCollection([huge], SGD, seed=0, device="meta")
+    assert ebc.storages()[0].device.type == "meta"
+    assert ebc.storages()[0].numel() == 1 << 60
+
+
+def test_only_adagrads_sum_starts_at_the_initial_accumulator():
+    """``initial_accumulator`` is Adagrad's starting ``sum``; every other optimizer state
+    (Adam's moments and step) starts at zero whatever it is set to (a mutant filled
+    every state with it)."""
+    spec = SparseOptimizerSpec(kind="adam", lr=0.1, initial_accumulator=0.5)
+    state = FusedEmbeddingBagCollection(TABLES, spec, seed=0).optimizer_state()
+    assert all(not v.any() for names in state.values() for v in names.values())
+    spec = SparseOptimizerSpec(kind="adagrad", lr=0.1, initial_accumulator=0.5)
+    state = FusedEmbeddingBagCollection(TABLES, spec, seed=0).optimizer_state()
+    assert all(bool((names["sum"] == 0.5).all()) for names in state.values())
+
+
+def test_the_defaults_check_bounds_deterministically_and_round_stochastically():
+    """By default a collection checks ids, is deterministic and rounds low-precision
+    updates stochastically: the same update as ``stochastic_rounding=True``, not as
+    round-to-nearest (mutants turned each default off)."""
+    tables = [TableConfig(name="h", num_embeddings=6, dim=8, precision="fp16")]
+    sf = SparseFeatures.from_lists({"h": [[1, 2], [2, 5]]})
+    grad = torch.linspace(-1e-3, 1e-3, 16).view(2, 8)
+
+    def updated(**kwargs: bool) -> torch.Tensor:
+        ebc = FusedEmbeddingBagCollection(tables, SGD, seed=2, **kwargs)
+        ebc.apply_gradients(grad, sf.values, sf.lengths, None)
+        return ebc.table_weights()["h"]
+
+    default = FusedEmbeddingBagCollection(tables, SGD, seed=2)
+    assert (default.check_bounds, default.deterministic) == (True, True)
+    assert torch.equal(updated(), updated(stochastic_rounding=True))
+    assert not torch.equal(updated(), updated(stochastic_rounding=False))
+
+
+def test_a_collection_without_a_seed_draws_one_from_the_torch_rng():
+    """``seed=None`` draws the seed from the global torch RNG: collections built after the
+    same ``torch.manual_seed`` start alike, and the drawn seed is saved for stochastic
+    rounding (a mutant kept ``None``, which no initial row or saved state can use)."""
+    torch.manual_seed(11)
+    a = FusedEmbeddingBagCollection(TABLES, SGD)
+    torch.manual_seed(11)
+    b = FusedEmbeddingBagCollection(TABLES, SGD)
+    assert isinstance(a.seed, int)
+    assert a.seed == b.seed
+    assert a.state_dict()["rounding"].tolist() == [a.seed, 0]
+    assert all(torch.equal(w, b.table_weights()[k]) for k, w in a.table_weights().items())
+
+
+def test_optimizer_state_is_fp32_whatever_the_default_dtype():
+    """Optimizer state is FP32 as documented even when a program sets another default
+    dtype (a mutant made the state buffers in the default dtype)."""
+    spec = SparseOptimizerSpec(kind="adam", lr=0.1)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        ebc = FusedEmbeddingBagCollection(TABLES, spec, seed=0)
+    finally:
+        torch.set_default_dtype(before)
+    dtypes = {v.dtype for names in ebc.optimizer_state().values() for v in names.values()}
+    assert dtypes == {torch.float32}
