@@ -17,6 +17,7 @@ import torch
 from tetrarec.embedding import SparseOptimizerSpec, TableConfig, TableSlice
 from tetrarec.kernels import (
     FusedEmbeddingBagCollection,
+    FusedOptimizer,
     decode_rows,
     dequantize_rows,
     encode_rows,
@@ -562,3 +563,135 @@ def test_host_buffer_is_made_on_the_device_asked_for() -> None:
     t = host_buffer(5, torch.float32, torch.device("meta"), fill=1.0)
     assert t.device.type == "meta"
     assert t.shape == (5,)
+
+
+# -- fused_optim.py: the torch.optim surface of the fused update ---------------------------
+
+_ADAM = SparseOptimizerSpec(
+    kind="adam", lr=0.125, eps=1e-6, beta1=0.75, beta2=0.875, weight_decay=0.25
+)
+
+
+def _adam_collection() -> FusedEmbeddingBagCollection:
+    tables = [
+        TableConfig(name="a", num_embeddings=5, dim=3),
+        TableConfig(name="b", num_embeddings=4, dim=2, precision="fp16"),
+    ]
+    return FusedEmbeddingBagCollection(tables, _ADAM, seed=0)
+
+
+class _NoTables:
+    """A ``FusedState`` that holds no table: a rank of a sharded run given no shard."""
+
+    def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {}
+
+    def load_optimizer_state(self, state: object) -> None:
+        assert state == {}
+
+    def storages(self) -> list[torch.Tensor]:
+        return []
+
+
+def test_fused_optimizer_groups_the_modules_storages_with_the_spec() -> None:
+    """One group: the module's storages as ``params`` (the same tensors) and the spec's
+    hyperparameters under torch.optim's names; an owner without storages gets one empty
+    placeholder (torch.optim refuses an empty parameter list).
+
+    Bugs caught: the placeholder used whatever the storages (``and`` for ``or``: a
+    scheduler or ``clip_grad_norm_`` over the optimizer's params would not see the
+    rows), a placeholder holding an element, hyperparameters under other names.
+    """
+    ebc = _adam_collection()
+    group = ebc.fused_optimizer.param_groups[0]
+    assert len(ebc.fused_optimizer.param_groups) == 1
+    assert sorted(group) == ["betas", "eps", "lr", "params", "weight_decay"]
+    assert [p is s for p, s in zip(group["params"], ebc.storages(), strict=True)] == [True] * 2
+    assert (group["lr"], group["eps"], group["betas"], group["weight_decay"]) == (
+        0.125,
+        1e-6,
+        (0.75, 0.875),
+        0.25,
+    )
+    empty = FusedOptimizer(_ADAM, _NoTables()).param_groups[0]["params"]
+    assert [p.shape for p in empty] == [torch.Size([0])]
+
+
+def test_kernel_hparams_reads_the_group_and_refuses_each_bad_setting(raises_exactly) -> None:
+    """``[lr, eps, beta1, beta2, weight_decay]`` from the group as it is now; a learning
+    rate of 0 (a warm-up starts there) and no weight decay are allowed; a negative
+    learning rate, an eps of 0 or below, or a negative weight decay, each alone, is
+    refused with the exact message.
+
+    Bugs caught: ``or`` made ``and`` (a bad setting passing when another is good), lr 0
+    or weight decay 0 refused, eps 0 accepted (Adagrad would divide by zero), an empty
+    message.
+    """
+    opt = _adam_collection().fused_optimizer
+    group = opt.param_groups[0]
+    group.update(lr=0.0, weight_decay=0.0, betas=(0.5, 0.625))
+    assert opt.kernel_hparams() == [0.0, 1e-6, 0.5, 0.625, 0.0]
+    for key, bad, message in [
+        ("lr", -0.5, "lr=-0.5 eps=1e-06 weight_decay=0.0"),
+        ("eps", 0.0, "lr=0.0 eps=0.0 weight_decay=0.0"),
+        ("eps", -1.0, "lr=0.0 eps=-1.0 weight_decay=0.0"),
+        ("weight_decay", -0.5, "lr=0.0 eps=1e-06 weight_decay=-0.5"),
+    ]:
+        good = group[key]
+        group[key] = bad
+        with raises_exactly(f"fused optimizer: bad settings {message}"):
+            opt.kernel_hparams()
+        group[key] = good
+
+
+def test_fused_optimizer_state_dict_is_the_hyperparameters_kind_and_module_state() -> None:
+    """``{"state": owner's optimizer_state(), "param_groups": [hyperparameters + kind]}``,
+    without the ``params`` (the rows are saved by the module).
+
+    Bugs caught: the groups saved as only their params or without the kind, the kind
+    under another key or ``None``, the two parts under other keys.
+    """
+    ebc = _adam_collection()
+    sd = ebc.fused_optimizer.state_dict()
+    assert sorted(sd) == ["param_groups", "state"]
+    assert sd["param_groups"] == [
+        {"lr": 0.125, "eps": 1e-6, "betas": (0.75, 0.875), "weight_decay": 0.25, "kind": "adam"}
+    ]
+    state = ebc.optimizer_state()
+    assert sorted(sd["state"]) == sorted(state) == ["a", "b"]
+    for t, names in state.items():
+        assert sorted(sd["state"][t]) == sorted(names)
+        assert all(torch.equal(sd["state"][t][k], v) for k, v in names.items())
+
+
+def test_fused_optimizer_load_restores_state_and_hyperparameters(raises_exactly) -> None:
+    """Loading sets the module's state bitwise and the group's hyperparameters (``betas``
+    back to a tuple when saved as a list, as a JSON round trip gives), keeps the group's
+    own params and adds no ``kind`` to it; groups saved without a kind load; a saved
+    optimizer of another kind is refused with the exact message.
+
+    Bugs caught: only the kind copied into the group (the hyperparameters of the
+    checkpoint lost), the kind copied too, ``betas`` left a list, a kind-less
+    checkpoint refused, another kind's state loaded (its layout differs), an empty
+    message.
+    """
+    ebc = _adam_collection()
+    opt = ebc.fused_optimizer
+    storages = opt.param_groups[0]["params"]
+    state = {
+        t: {k: torch.full_like(v, 0.5 + i) for i, (k, v) in enumerate(names.items())}
+        for t, names in ebc.optimizer_state().items()
+    }
+    saved = {"lr": 0.5, "eps": 1e-4, "betas": [0.25, 0.375], "weight_decay": 0.0625}
+    opt.load_state_dict({"state": state, "param_groups": [{**saved, "kind": "adam"}]})
+    group = opt.param_groups[0]
+    assert group == {**saved, "betas": (0.25, 0.375), "params": storages}
+    assert type(group["betas"]) is tuple
+    assert opt.kernel_hparams() == [0.5, 1e-4, 0.25, 0.375, 0.0625]
+    for t, names in ebc.optimizer_state().items():
+        assert all(torch.equal(v, state[t][k]) for k, v in names.items()), t
+
+    opt.load_state_dict({"state": state, "param_groups": [{**saved, "lr": 0.25}]})
+    assert opt.param_groups[0]["lr"] == 0.25
+    with raises_exactly("the saved fused optimizer is 'sgd', this one is 'adam'"):
+        opt.load_state_dict({"state": {}, "param_groups": [{**saved, "kind": "sgd"}]})
