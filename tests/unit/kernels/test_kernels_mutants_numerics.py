@@ -494,17 +494,13 @@ def test_out_of_range_ids_are_named_as_the_compiled_kernel_names_them(
         assert torch.equal(w, rows)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the portable update names the feature's lowest or highest id, the compiled "
-    "kernel the first out of range by position (mutation/README.md, reference.py)",
-)
 def test_update_names_the_first_out_of_range_id_by_position_as_the_compiled_kernel() -> None:
-    """With several ids of one feature out of range, the compiled update names the first
-    by position (7 here, before -2); the portable update, documented to raise as the
-    compiled kernel does, names the lowest (-2).
+    """With several ids of one feature out of range, both updates name the first by
+    position (7 here, before -2).
 
-    Bug caught: the two paths naming another id for the same batch.
+    Bug caught (found by this test, fixed in ``reference._check_ids_before_update``): the
+    portable update, documented to raise as the compiled kernel does, named the
+    feature's lowest id if negative, else its highest (-2 here).
     """
     ext = compiled_cpu_kernels()
     if ext is None:
