@@ -274,7 +274,8 @@ def _check_ids_before_update(
     Without it a negative id would silently update a row from the table's end.
 
     Raises:
-        RuntimeError: naming the feature (its index), the id and the table's rows.
+        RuntimeError: naming the feature (its index), the first id out of range in that
+            feature's values (by position, as the compiled kernel) and the table's rows.
     """
     rows, feat_table = meta[2], meta[4]
     starts = _feature_starts(offsets, batch, len(feat_table))  # (F+1,)
@@ -284,9 +285,10 @@ def _check_ids_before_update(
             continue
         lo, hi = (int(x) for x in torch.aminmax(ids.long()))
         if lo < 0 or hi >= rows[t]:
+            first = int(ids[(ids < 0) | (ids >= rows[t])][0])  # by position, as the kernel
             raise RuntimeError(
                 f"tetrarec tbe backward: feature {f} (its index in the feature order): "
-                f"id {lo if lo < 0 else hi} is outside its table of {rows[t]} rows"
+                f"id {first} is outside its table of {rows[t]} rows"
             )
 
 

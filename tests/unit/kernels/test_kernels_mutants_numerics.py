@@ -17,6 +17,7 @@ import torch
 from tetrarec.embedding import SparseOptimizerSpec, TableConfig, TableSlice
 from tetrarec.kernels import (
     FusedEmbeddingBagCollection,
+    FusedOptimizer,
     decode_rows,
     dequantize_rows,
     encode_rows,
@@ -270,6 +271,252 @@ def test_rounding_noise_draws_are_the_midpoints_of_all_65536_cells() -> None:
     r = u * 65536 - 0.5
     assert torch.equal(r, r.floor())
     assert torch.equal(r.unique(), torch.arange(65536, dtype=torch.float64))
+
+
+# The portable lookup and fused update called as the ops call them, on two row stores: an
+# FP16 table "x" (its store's only table; a feature of another store for the FP32 one)
+# and the FP32 tables "a" (3 rows, two mean-pooled features) and "b" (6 rows).
+
+_B = 3
+_REF_TABLES = [
+    TableConfig(name="x", num_embeddings=4, dim=2, precision="fp16"),
+    TableConfig(
+        name="a", num_embeddings=3, dim=2, feature_names=("a1", "a2"), pooling=PoolingMode.MEAN
+    ),
+    TableConfig(name="b", num_embeddings=6, dim=3),
+]
+_REF_COLS = 2 + 2 + 2 + 3  # x, a1, a2, b
+
+
+def _ref_stores(kind: OptimizerKind) -> list[tuple[RowStore, list[torch.Tensor]]]:
+    slices = [TableSlice(table=t, row_start=3 * i, col_start=i) for i, t in enumerate(_REF_TABLES)]
+    stores = plan_stores(_REF_TABLES, kind)
+    return [(st, st.meta(_REF_TABLES, slices, torch.device("cpu"))) for st in stores]
+
+
+def _ref_batch(bags: dict[str, list[list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key-major ``(values, lengths)`` of the four features, ``_B`` samples each."""
+    feats = [bags.get(f, [[]] * _B) for f in ("x", "a1", "a2", "b")]
+    values = [i for f in feats for bag in f for i in bag]
+    lengths = [len(bag) for f in feats for bag in f]
+    return torch.tensor(values, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int32)
+
+
+_REF_BAGS = {  # duplicates within and across bags, an empty bag; b's ids beyond a's rows
+    "x": [[3, 3], [0], [1, 2]],
+    "a1": [[2, 0], [], [2]],
+    "a2": [[1], [2, 2, 2], [0]],
+    "b": [[5, 4], [0], [5, 3, 5]],
+}
+
+
+def _ref_rows(store: RowStore, gen: torch.Generator) -> torch.Tensor:
+    return (torch.randn(store.numel, generator=gen) * 0.5).to(store.precision.torch_dtype)
+
+
+@pytest.mark.parametrize("psw", [False, True], ids=["no-psw", "psw"])
+def test_portable_forward_and_update_equal_the_compiled_kernel(psw: bool) -> None:
+    """Both stores, the portable ``pooled_forward`` gives the compiled kernel's pooled
+    columns bit for bit, and ``backward_update`` its rows, Adam's state (betas 0.5 /
+    0.75, weight decay, two steps, FP16 stochastic rounding) and the per-id weights'
+    gradient, to the last bit of Adam's moments.
+
+    Bugs caught: features pooled from or written to another table's rows or columns,
+    mean pooling by another count, a feature of another store stopping the loop, the
+    per-feature value ranges (``starts``) taken per bag, Adam's betas or weight decay
+    left at their defaults in the update, the rows' rounding keys or columns, the
+    per-id weights' gradient lost or allocated when not asked for.
+    """
+    ext = compiled_cpu_kernels()
+    if ext is None:
+        pytest.skip("the compiled CPU kernel did not build on this machine")
+    gen = torch.Generator().manual_seed(4)
+    values, lengths = _ref_batch(_REF_BAGS)
+    weights = torch.rand(values.numel(), generator=gen) + 0.5 if psw else None
+    hparams = [0.0625, 1e-3, 0.5, 0.75, 0.125]
+    for store, meta in _ref_stores(OptimizerKind.ADAM):
+        rows = _ref_rows(store, gen)
+        outs, states, results = [], [], []
+        for impl in (ext, reference):
+            w = rows.clone()
+            st = [torch.full((n,), 0.25) for n in store.state_numel]
+            offs = [torch.tensor(o, dtype=torch.int64) for o in store.state_offsets]
+            out = torch.zeros(_B, _REF_COLS)
+            bad = impl.tbe_forward if impl is ext else impl.pooled_forward
+            assert bad(
+                w, meta, values, lengths, weights, out, store.precision.value, True
+            ).tolist() == [-1, -1]
+            res = []
+            for it in range(2):
+                grad = torch.randn(_B, _REF_COLS, generator=torch.Generator().manual_seed(it))
+                update = impl.tbe_backward_update if impl is ext else impl.backward_update
+                res.append(
+                    update(
+                        grad,
+                        w,
+                        meta,
+                        values,
+                        lengths,
+                        weights,
+                        st,
+                        offs,
+                        "adam",
+                        hparams,
+                        store.precision.value,
+                        [1, 9, it, 1, int(psw)],
+                    )
+                )
+            outs.append((out, w))
+            states.append(st)
+            results.append(res)
+        (out_c, w_c), (out_r, w_r) = outs
+        assert torch.equal(out_r, out_c)
+        assert out_r.abs().sum() > 0
+        assert not torch.equal(w_r, rows)
+        # Adam's moments may differ from the kernel's in the last bit (its FMAs).
+        atol = 1e-6 if store.precision is Precision.FP32 else 2e-3  # one FP16 step
+        torch.testing.assert_close(w_r.float(), w_c.float(), rtol=1e-5, atol=atol)
+        for r, c in zip(states[1], states[0], strict=True):
+            torch.testing.assert_close(r, c, rtol=1e-5, atol=1e-6)
+        for r, c in zip(results[1], results[0], strict=True):
+            assert r.shape == c.shape == ((values.numel(),) if psw else (0,))
+            torch.testing.assert_close(r, c, rtol=1e-5, atol=1e-6)
+
+
+def test_portable_update_without_per_id_weights_returns_no_gradient() -> None:
+    """Asked for the per-id weights' gradient (flag 1) when there are no weights, the
+    update returns an empty tensor, as the op's contract says.
+
+    Bug caught: the gradient buffer allocated from absent weights (a crash).
+    """
+    values, lengths = _ref_batch(_REF_BAGS)
+    store, meta = _ref_stores(OptimizerKind.SGD)[1]
+    w = torch.zeros(store.numel)
+    got = reference.backward_update(
+        torch.ones(_B, _REF_COLS), w, meta, values, lengths, None, [], [], "sgd",
+        [1.0, 1e-8, 0.9, 0.999, 0.0], "fp32", [0, 0, 0, 1, 1],
+    )  # fmt: skip
+    assert got.shape == (0,)
+    assert w.abs().sum() > 0
+
+
+@pytest.mark.parametrize("precision", [Precision.INT8, Precision.INT4], ids=lambda p: p.value)
+def test_per_id_weight_gradient_of_packed_rows_equals_the_compiled_kernel(
+    precision: Precision,
+) -> None:
+    """For packed (INT8/INT4) rows the per-id weights' gradient is ``grad . decode(row)``,
+    the row decoded with its table's dim, as the compiled kernel computes it.
+
+    Bug caught: the rows decoded without their dim for that gradient (the float formats
+    do not need it, so only packed rows show it).
+    """
+    ext = compiled_cpu_kernels()
+    if ext is None:
+        pytest.skip("the compiled CPU kernel did not build on this machine")
+    table = TableConfig(name="q", num_embeddings=5, dim=3, precision=precision.value)
+    (store,) = plan_stores([table], OptimizerKind.SGD)
+    meta = store.meta([table], [TableSlice(table=table)], torch.device("cpu"))
+    gen = torch.Generator().manual_seed(5)
+    rows = _stored(torch.randn(5, 3, generator=gen), precision).flatten()
+    values = torch.tensor([4, 1, 1, 0, 3, 2])
+    lengths = torch.tensor([2, 0, 4], dtype=torch.int32)
+    psw = torch.rand(6, generator=gen) + 0.5
+    grad = torch.randn(3, 3, generator=gen)
+    got = [
+        impl(
+            grad,
+            rows.clone(),
+            meta,
+            values,
+            lengths,
+            psw,
+            [],
+            [],
+            "sgd",
+            [0.0, 1e-8, 0.9, 0.999, 0.0],
+            precision.value,
+            [0, 0, 0, 1, 1],
+        )
+        for impl in (ext.tbe_backward_update, reference.backward_update)
+    ]
+    assert got[0].shape == (6,)
+    assert got[0].abs().sum() > 0
+    torch.testing.assert_close(got[1], got[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("bags", "feature", "bad"),
+    [
+        ({"a1": [[0], [3], []]}, 1, 3),  # a's first id past the end (table 0 of the store)
+        ({"a1": [[-1, 2], [], []]}, 1, -1),
+        ({"a2": [[0, 1], [2], []], "b": [[0, 6], [], []]}, 3, 6),  # 0 is fine: names 6
+        ({"b": [[5], [-2, 4], [7]]}, 3, -2),  # the lowest when both ends are out
+    ],
+    ids=["end", "negative", "after-a-good-feature", "both-ends"],
+)
+def test_out_of_range_ids_are_named_as_the_compiled_kernel_names_them(
+    bags: dict[str, list[list[int]]], feature: int, bad: int
+) -> None:
+    """The forward returns ``[feature, id]`` of the first feature with an id outside its
+    table (the lowest id if negative, else the highest); the update refuses it before
+    touching any row, naming feature, id and rows, word for word as the compiled kernel.
+    Valid ids of the features around it (and of the other store's feature) pass.
+
+    Bugs caught: the table's last row + 1 accepted, id 0 taken for out of range or
+    named instead of the bad one, table 0's features or the features after an empty one
+    or another store's one not checked, ids checked against another table's rows.
+    """
+    ext = compiled_cpu_kernels()
+    if ext is None:
+        pytest.skip("the compiled CPU kernel did not build on this machine")
+    values, lengths = _ref_batch({"x": [[3], [], [0]], **bags})
+    store, meta = _ref_stores(OptimizerKind.SGD)[1]
+    rows = torch.randn(store.numel)
+    out = torch.zeros(_B, _REF_COLS)
+    got = reference.pooled_forward(rows, meta, values, lengths, None, out, "fp32", True)
+    assert got.tolist() == [feature, bad]
+    assert ext.tbe_forward(rows, meta, values, lengths, None, out, "fp32", True).tolist() == [
+        feature,
+        bad,
+    ]
+    table = _REF_TABLES[1 if feature < 3 else 2]
+    message = (
+        f"tetrarec tbe backward: feature {feature} (its index in the feature order): "
+        f"id {bad} is outside its table of {table.num_embeddings} rows"
+    )
+    for impl in (ext.tbe_backward_update, reference.backward_update):
+        w = rows.clone()
+        with pytest.raises(RuntimeError, match=f"^{re.escape(message)}$"):
+            impl(
+                torch.ones(_B, _REF_COLS), w, meta, values, lengths, None, [], [], "sgd",
+                [1.0, 1e-8, 0.9, 0.999, 0.0], "fp32", [0, 0, 0, 1, 0],
+            )  # fmt: skip
+        assert torch.equal(w, rows)
+
+
+def test_update_names_the_first_out_of_range_id_by_position_as_the_compiled_kernel() -> None:
+    """With several ids of one feature out of range, both updates name the first by
+    position (7 here, before -2).
+
+    Bug caught (found by this test, fixed in ``reference._check_ids_before_update``): the
+    portable update, documented to raise as the compiled kernel does, named the
+    feature's lowest id if negative, else its highest (-2 here).
+    """
+    ext = compiled_cpu_kernels()
+    if ext is None:
+        pytest.skip("the compiled CPU kernel did not build on this machine")
+    values, lengths = _ref_batch({"b": [[5], [4, 7], [-2]]})
+    store, meta = _ref_stores(OptimizerKind.SGD)[1]
+    messages = []
+    for impl in (ext.tbe_backward_update, reference.backward_update):
+        with pytest.raises(RuntimeError) as err:
+            impl(
+                torch.ones(_B, _REF_COLS), torch.zeros(store.numel), meta, values, lengths,
+                None, [], [], "sgd", [1.0, 1e-8, 0.9, 0.999, 0.0], "fp32", [0, 0, 0, 1, 0],
+            )  # fmt: skip
+        messages.append(str(err.value).splitlines()[0])
+    assert messages[0].endswith("id 7 is outside its table of 6 rows")
+    assert messages[1] == messages[0]
 
 
 # -- layout.py: where each table sits in the flat row stores ---------------------------
@@ -562,3 +809,135 @@ def test_host_buffer_is_made_on_the_device_asked_for() -> None:
     t = host_buffer(5, torch.float32, torch.device("meta"), fill=1.0)
     assert t.device.type == "meta"
     assert t.shape == (5,)
+
+
+# -- fused_optim.py: the torch.optim surface of the fused update ---------------------------
+
+_ADAM = SparseOptimizerSpec(
+    kind="adam", lr=0.125, eps=1e-6, beta1=0.75, beta2=0.875, weight_decay=0.25
+)
+
+
+def _adam_collection() -> FusedEmbeddingBagCollection:
+    tables = [
+        TableConfig(name="a", num_embeddings=5, dim=3),
+        TableConfig(name="b", num_embeddings=4, dim=2, precision="fp16"),
+    ]
+    return FusedEmbeddingBagCollection(tables, _ADAM, seed=0)
+
+
+class _NoTables:
+    """A ``FusedState`` that holds no table: a rank of a sharded run given no shard."""
+
+    def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {}
+
+    def load_optimizer_state(self, state: object) -> None:
+        assert state == {}
+
+    def storages(self) -> list[torch.Tensor]:
+        return []
+
+
+def test_fused_optimizer_groups_the_modules_storages_with_the_spec() -> None:
+    """One group: the module's storages as ``params`` (the same tensors) and the spec's
+    hyperparameters under torch.optim's names; an owner without storages gets one empty
+    placeholder (torch.optim refuses an empty parameter list).
+
+    Bugs caught: the placeholder used whatever the storages (``and`` for ``or``: a
+    scheduler or ``clip_grad_norm_`` over the optimizer's params would not see the
+    rows), a placeholder holding an element, hyperparameters under other names.
+    """
+    ebc = _adam_collection()
+    group = ebc.fused_optimizer.param_groups[0]
+    assert len(ebc.fused_optimizer.param_groups) == 1
+    assert sorted(group) == ["betas", "eps", "lr", "params", "weight_decay"]
+    assert [p is s for p, s in zip(group["params"], ebc.storages(), strict=True)] == [True] * 2
+    assert (group["lr"], group["eps"], group["betas"], group["weight_decay"]) == (
+        0.125,
+        1e-6,
+        (0.75, 0.875),
+        0.25,
+    )
+    empty = FusedOptimizer(_ADAM, _NoTables()).param_groups[0]["params"]
+    assert [p.shape for p in empty] == [torch.Size([0])]
+
+
+def test_kernel_hparams_reads_the_group_and_refuses_each_bad_setting(raises_exactly) -> None:
+    """``[lr, eps, beta1, beta2, weight_decay]`` from the group as it is now; a learning
+    rate of 0 (a warm-up starts there) and no weight decay are allowed; a negative
+    learning rate, an eps of 0 or below, or a negative weight decay, each alone, is
+    refused with the exact message.
+
+    Bugs caught: ``or`` made ``and`` (a bad setting passing when another is good), lr 0
+    or weight decay 0 refused, eps 0 accepted (Adagrad would divide by zero), an empty
+    message.
+    """
+    opt = _adam_collection().fused_optimizer
+    group = opt.param_groups[0]
+    group.update(lr=0.0, weight_decay=0.0, betas=(0.5, 0.625))
+    assert opt.kernel_hparams() == [0.0, 1e-6, 0.5, 0.625, 0.0]
+    for key, bad, message in [
+        ("lr", -0.5, "lr=-0.5 eps=1e-06 weight_decay=0.0"),
+        ("eps", 0.0, "lr=0.0 eps=0.0 weight_decay=0.0"),
+        ("eps", -1.0, "lr=0.0 eps=-1.0 weight_decay=0.0"),
+        ("weight_decay", -0.5, "lr=0.0 eps=1e-06 weight_decay=-0.5"),
+    ]:
+        good = group[key]
+        group[key] = bad
+        with raises_exactly(f"fused optimizer: bad settings {message}"):
+            opt.kernel_hparams()
+        group[key] = good
+
+
+def test_fused_optimizer_state_dict_is_the_hyperparameters_kind_and_module_state() -> None:
+    """``{"state": owner's optimizer_state(), "param_groups": [hyperparameters + kind]}``,
+    without the ``params`` (the rows are saved by the module).
+
+    Bugs caught: the groups saved as only their params or without the kind, the kind
+    under another key or ``None``, the two parts under other keys.
+    """
+    ebc = _adam_collection()
+    sd = ebc.fused_optimizer.state_dict()
+    assert sorted(sd) == ["param_groups", "state"]
+    assert sd["param_groups"] == [
+        {"lr": 0.125, "eps": 1e-6, "betas": (0.75, 0.875), "weight_decay": 0.25, "kind": "adam"}
+    ]
+    state = ebc.optimizer_state()
+    assert sorted(sd["state"]) == sorted(state) == ["a", "b"]
+    for t, names in state.items():
+        assert sorted(sd["state"][t]) == sorted(names)
+        assert all(torch.equal(sd["state"][t][k], v) for k, v in names.items())
+
+
+def test_fused_optimizer_load_restores_state_and_hyperparameters(raises_exactly) -> None:
+    """Loading sets the module's state bitwise and the group's hyperparameters (``betas``
+    back to a tuple when saved as a list, as a JSON round trip gives), keeps the group's
+    own params and adds no ``kind`` to it; groups saved without a kind load; a saved
+    optimizer of another kind is refused with the exact message.
+
+    Bugs caught: only the kind copied into the group (the hyperparameters of the
+    checkpoint lost), the kind copied too, ``betas`` left a list, a kind-less
+    checkpoint refused, another kind's state loaded (its layout differs), an empty
+    message.
+    """
+    ebc = _adam_collection()
+    opt = ebc.fused_optimizer
+    storages = opt.param_groups[0]["params"]
+    state = {
+        t: {k: torch.full_like(v, 0.5 + i) for i, (k, v) in enumerate(names.items())}
+        for t, names in ebc.optimizer_state().items()
+    }
+    saved = {"lr": 0.5, "eps": 1e-4, "betas": [0.25, 0.375], "weight_decay": 0.0625}
+    opt.load_state_dict({"state": state, "param_groups": [{**saved, "kind": "adam"}]})
+    group = opt.param_groups[0]
+    assert group == {**saved, "betas": (0.25, 0.375), "params": storages}
+    assert type(group["betas"]) is tuple
+    assert opt.kernel_hparams() == [0.5, 1e-4, 0.25, 0.375, 0.0625]
+    for t, names in ebc.optimizer_state().items():
+        assert all(torch.equal(v, state[t][k]) for k, v in names.items()), t
+
+    opt.load_state_dict({"state": state, "param_groups": [{**saved, "lr": 0.25}]})
+    assert opt.param_groups[0]["lr"] == 0.25
+    with raises_exactly("the saved fused optimizer is 'sgd', this one is 'adam'"):
+        opt.load_state_dict({"state": {}, "param_groups": [{**saved, "kind": "sgd"}]})
