@@ -94,7 +94,9 @@ def pooled_forward(
         if check_bounds and ids.numel():
             lo, hi = (int(x) for x in torch.aminmax(ids))
             if lo < 0 or hi >= rows[t]:
-                bad = lo if lo < 0 else hi
+                # The smallest bad id of the first such feature, as the compiled kernel
+                # reports it (whatever the threads' order).
+                bad = lo if lo < 0 else int(ids[ids >= rows[t]].min())
                 return torch.tensor([f, bad], dtype=torch.int64)
         d = dims[t]
         emb = decode_rows(table_view(weights, prec, w_off[t], rows[t], d)[ids], prec, d)

@@ -458,7 +458,7 @@ def test_out_of_range_ids_are_named_as_the_compiled_kernel_names_them(
     bags: dict[str, list[list[int]]], feature: int, bad: int
 ) -> None:
     """The forward returns ``[feature, id]`` of the first feature with an id outside its
-    table (the lowest id if negative, else the highest); the update refuses it before
+    table (the lowest id if negative, else the smallest past the end); the update refuses it before
     touching any row, naming feature, id and rows, word for word as the compiled kernel.
     Valid ids of the features around it (and of the other store's feature) pass.
 
@@ -517,6 +517,28 @@ def test_update_names_the_first_out_of_range_id_by_position_as_the_compiled_kern
         messages.append(str(err.value).splitlines()[0])
     assert messages[0].endswith("id 7 is outside its table of 6 rows")
     assert messages[1] == messages[0]
+
+
+def test_lookup_names_the_smallest_out_of_range_id_as_the_compiled_kernel() -> None:
+    """With several ids of one feature past its table's end, both lookups name the
+    smallest (7 here, after 9 by position), the one the compiled kernel keeps whatever
+    order its threads meet them in.
+
+    Bug caught: the portable lookup named the feature's highest id (9 here), another id
+    than the compiled path for the same batch.
+    """
+    ext = compiled_cpu_kernels()
+    if ext is None:
+        pytest.skip("the compiled CPU kernel did not build on this machine")
+    values, lengths = _ref_batch({"b": [[9], [2, 7], [8]]})
+    store, meta = _ref_stores(OptimizerKind.SGD)[1]
+    rows = torch.randn(store.numel)
+    got = [
+        impl(rows, meta, values, lengths, None, torch.zeros(_B, _REF_COLS), "fp32", True)
+        for impl in (ext.tbe_forward, reference.pooled_forward)
+    ]
+    assert got[0].tolist() == [3, 7]
+    assert got[1].tolist() == got[0].tolist()
 
 
 # -- layout.py: where each table sits in the flat row stores ---------------------------
