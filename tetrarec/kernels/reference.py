@@ -66,6 +66,50 @@ def _bags(offsets: torch.Tensor, f: int, batch: int) -> tuple[torch.Tensor, torc
     return lengths, bag
 
 
+def _check_batch(
+    meta: list[list[int]],
+    where: str,
+    what: str,
+    width: int,
+    batch: int,
+    lengths: torch.Tensor,
+    offsets: torch.Tensor,
+    values: torch.Tensor,
+    psw: torch.Tensor | None,
+) -> None:
+    """Raise as the compiled kernel's ``check_batch`` does for a batch off the layout.
+
+    ``width`` is the number of columns of ``what`` (the output or the gradient).
+
+    Raises:
+        RuntimeError: for lengths of another count than ``F * batch``, fewer columns than
+            the store's features need, or fewer ids (or per-id weights) than the lengths
+            add up to.
+    """
+    dims, feat_table, feat_cols = meta[1], meta[4], meta[5]
+    features = len(feat_table)
+    if lengths.numel() != features * batch:
+        raise RuntimeError(
+            f"tetrarec tbe {where}: lengths must have F*B = {features}*{batch} entries, "
+            f"got {lengths.numel()}"
+        )
+    cols = max((feat_cols[f] + dims[t] for f, t in enumerate(feat_table) if t >= 0), default=0)
+    if width < cols:
+        raise RuntimeError(
+            f"tetrarec tbe {where}: {what} has {width} columns, the features need {cols}"
+        )
+    ids = int(offsets[-1])
+    if ids > values.numel():
+        raise RuntimeError(
+            f"tetrarec tbe {where}: the lengths add up to {ids} ids, values holds {values.numel()}"
+        )
+    if psw is not None and ids > psw.numel():
+        raise RuntimeError(
+            f"tetrarec tbe {where}: the lengths add up to {ids} ids, the per-id weights hold "
+            f"{psw.numel()}"
+        )
+
+
 def pooled_forward(
     weights: torch.Tensor,
     meta: list[torch.Tensor],
@@ -84,8 +128,12 @@ def pooled_forward(
     """
     prec = Precision(precision)
     offsets = offsets_from_lengths(lengths.long())
-    w_off, dims, rows, _, feat_table, feat_cols, feat_mean = (m.tolist() for m in meta[:7])
+    host = [m.tolist() for m in meta[:7]]
+    w_off, dims, rows, _, feat_table, feat_cols, feat_mean = host
     batch = out.shape[0]
+    _check_batch(
+        host, "forward", "out", out.shape[1], batch, lengths, offsets, values, per_sample_weights
+    )
     starts = _feature_starts(offsets, batch, len(feat_table))  # (F+1,)
     for f, t in enumerate(feat_table):
         if t < 0:
@@ -253,7 +301,12 @@ def row_gradient_shares(
     host = [m.tolist() for m in meta]
     one_table = [*host[:4], [tt if tt == t else -1 for tt in host[4]], *host[5:]]
     offsets = offsets_from_lengths(lengths.long())
-    _check_ids_before_update(values, offsets, one_table, grad_out.shape[0])
+    batch, width = grad_out.shape
+    _check_batch(
+        one_table, "row shares", "grad_out", width, batch, lengths, offsets, values,
+        per_sample_weights,
+    )  # fmt: skip
+    _check_ids_before_update(values, offsets, one_table, batch)
     prec = Precision(precision)
     uniq, g = summed_row_gradients(  # (U,), (U, D)
         grad_out, weights, meta, t, values, lengths, per_sample_weights, precision
@@ -321,7 +374,11 @@ def backward_update(
         kind=kind, lr=lr, eps=eps, beta1=beta1, beta2=beta2, weight_decay=weight_decay
     )
     host = [m.tolist() for m in meta]
-    _check_ids_before_update(values, offsets, host, grad_out.shape[0])
+    batch, width = grad_out.shape
+    _check_batch(
+        host, "backward", "grad_out", width, batch, lengths, offsets, values, per_sample_weights
+    )
+    _check_ids_before_update(values, offsets, host, batch)
     w_off, dims, rows = host[0], host[1], host[2]
     psw_grad = None
     if per_sample_weights is not None and want_psw_grad:

@@ -132,3 +132,66 @@ def test_backward_kernel_message_gives_the_feature_index(kernel_path) -> None:
             grad, ebc._storage(store), meta, sf.values, sf.lengths, None, ebc._states(store),
             offs, "sgd", [0.1, 1e-8, 0.9, 0.999, 0.0], "fp32", [0, 0, 0, 1, 0],
         )  # fmt: skip
+
+
+def _op_batch() -> tuple[FusedEmbeddingBagCollection, SparseFeatures]:
+    ebc = FusedEmbeddingBagCollection(TABLES, SparseOptimizerSpec(kind="sgd", lr=0.1), seed=0)
+    sf = SparseFeatures.from_lists(
+        {"a": [[1], [2]], "b_click": [[0], [4]], "b_view": [[3], [1, 2]], "c": [[8], []]}
+    )
+    return ebc, sf
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("narrow", "grad_out has 15 columns, the features need 16"),
+        ("few_values", "the lengths add up to 8 ids, values holds 7"),
+        ("few_weights", "the lengths add up to 8 ids, the per-id weights hold 7"),
+        ("batch", "lengths must have F*B = 4*3 entries, got 8"),
+    ],
+)
+def test_a_batch_off_the_layout_is_refused_before_any_read(
+    kernel_path, case: str, message: str
+) -> None:
+    """A gradient narrower than the store's columns, lengths that add up to more ids than
+    ``values`` (or the per-id weights) holds, or lengths of another batch size: the
+    compiled backward read past those buffers' ends (a wrong update or a crash, no error)
+    and the portable one failed deep inside with a shape error. Both refuse it first,
+    with the same message, and no row changes."""
+    from tetrarec.kernels import ops
+
+    ebc, sf = _op_batch()
+    meta, offs = ebc._cached_meta(0)
+    grad, values, psw = torch.ones(2, 16), sf.values, None
+    if case == "narrow":
+        grad = torch.ones(2, 15)
+    elif case == "few_values":
+        values = sf.values[:-1]
+    elif case == "few_weights":
+        psw = torch.ones(sf.values.numel() - 1)
+    else:
+        grad = torch.ones(3, 16)
+    before = ebc._storage(0).clone()
+    with pytest.raises(RuntimeError, match=re.escape(f"tetrarec tbe backward: {message}")):
+        ops.tbe_backward_update(
+            grad, ebc._storage(0), meta, values, sf.lengths, psw, ebc._states(0),
+            offs, "sgd", [0.1, 1e-8, 0.9, 0.999, 0.0], "fp32", [0, 0, 0, 1, 0],
+        )  # fmt: skip
+    assert torch.equal(ebc._storage(0), before)
+
+
+def test_an_output_narrower_than_the_layout_is_refused(kernel_path) -> None:
+    """The forward writes each feature's columns of ``out``: one narrower than the store's
+    columns was written past its end (compiled). Both paths refuse it, naming both
+    widths."""
+    from tetrarec.kernels import ops
+
+    ebc, sf = _op_batch()
+    meta, _ = ebc._cached_meta(0)
+    out = torch.zeros(2, 12)
+    with pytest.raises(
+        RuntimeError,
+        match=re.escape("tetrarec tbe forward: out has 12 columns, the features need 16"),
+    ):
+        ops.tbe_forward(ebc._storage(0), meta, sf.values, sf.lengths, None, out, "fp32", True)

@@ -145,7 +145,7 @@ def test_apply_gradients_returns_the_weights_gradient_only_when_asked():
     and the ``(N,)`` gradient of the per-id weights when asked, with the same update."""
     sf = SparseFeatures.from_lists({"a": [[1, 2], [3]], "b_click": [[0], []], "b_view": [[4], [1]]})
     psw = torch.linspace(0.5, 1.5, sf.values.numel())
-    grad = torch.ones(2, 8)
+    grad = torch.ones(2, 12)
     plain = FusedEmbeddingBagCollection(TABLES, SGD, seed=0)
     asked = FusedEmbeddingBagCollection(TABLES, SGD, seed=0)
     assert plain.apply_gradients(grad, sf.values, sf.lengths, psw) is None
@@ -161,7 +161,7 @@ def test_each_update_advances_the_rounding_stream_by_one():
     ebc = FusedEmbeddingBagCollection(TABLES, SGD, seed=5)
     sf = SparseFeatures.from_lists({"a": [[1], [2]], "b_click": [[0], [4]], "b_view": [[3], []]})
     for _ in range(3):
-        ebc.apply_gradients(torch.ones(2, 8), sf.values, sf.lengths, None)
+        ebc.apply_gradients(torch.ones(2, 12), sf.values, sf.lengths, None)
     assert ebc.iteration == 3
     assert ebc.state_dict()["rounding"].tolist() == [5, 3]
 

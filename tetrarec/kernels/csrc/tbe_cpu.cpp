@@ -349,6 +349,28 @@ inline std::vector<int64_t> offsets_of(const at::Tensor& lengths) {
   return off;
 }
 
+// The batch against the store's layout, checked before any read: without it a gradient
+// or output narrower than the store's columns, or lengths that add up to more ids than
+// `values` (or its per-id weights) holds, are read past their ends. `width` is the
+// columns of `what` (the output or the gradient); `offsets` are the lengths' (F*B+1,).
+inline void check_batch(const Meta& M, const char* where, const char* what, int64_t width,
+                        const std::vector<int64_t>& offsets, const at::Tensor& values,
+                        const c10::optional<at::Tensor>& psw) {
+  int64_t cols = 0;
+  for (int64_t f = 0; f < M.F; ++f) {
+    if (M.feat_table[f] >= 0) cols = std::max(cols, M.feat_cols[f] + M.dims[M.feat_table[f]]);
+  }
+  TETRAREC_CHECK(width >= cols, "tetrarec tbe ", where, ": ", what, " has ", width,
+              " columns, the features need ", cols);
+  const int64_t ids = offsets.back();
+  TETRAREC_CHECK(ids <= values.numel(), "tetrarec tbe ", where, ": the lengths add up to ", ids,
+              " ids, values holds ", values.numel());
+  if (psw.has_value()) {
+    TETRAREC_CHECK(ids <= psw->numel(), "tetrarec tbe ", where, ": the lengths add up to ", ids,
+                " ids, the per-id weights hold ", psw->numel());
+  }
+}
+
 constexpr int64_t kAhead = 8;  // unique rows prefetched ahead in backward
 
 // Rows prefetched ahead in a feature's id stream: about 4 KiB of rows in flight, so
@@ -544,6 +566,7 @@ at::Tensor tbe_forward(const at::Tensor& weights, const std::vector<at::Tensor>&
   TETRAREC_CHECK(lengths.numel() == M.F * B, "tetrarec tbe forward: lengths must have F*B = ", M.F,
               "*", B, " entries, got ", lengths.numel());
   const std::vector<int64_t> offsets = offsets_of(lengths);
+  check_batch(M, "forward", "out", out.size(1), offsets, values, psw);
   const float* psw_p = nullptr;
   at::Tensor psw_c;
   if (psw.has_value()) {
@@ -576,7 +599,11 @@ at::Tensor tbe_backward_update(const at::Tensor& grad_out, at::Tensor& weights,
   TETRAREC_CHECK(hparams.size() == 5 && flags.size() == 5,
               "tetrarec tbe backward: hparams and flags need 5 entries each, got ", hparams.size(),
               " and ", flags.size());
+  TETRAREC_CHECK(g.dim() == 2 && lengths.numel() == M.F * g.size(0),
+              "tetrarec tbe backward: lengths must have F*B = ", M.F, "*", g.size(0),
+              " entries, got ", lengths.numel());
   const std::vector<int64_t> offsets = offsets_of(lengths);
+  check_batch(M, "backward", "grad_out", g.size(1), offsets, values, psw);
   TETRAREC_CHECK(values.is_contiguous(), "tetrarec tbe: values must be contiguous");
   BackwardArgs A;
   A.M = &M;
@@ -644,6 +671,7 @@ std::tuple<at::Tensor, at::Tensor> tbe_row_gradient_shares(
   // step, each time for the whole batch's bags.
   thread_local std::vector<int64_t> offsets;
   offsets_into(lengths, &offsets);
+  check_batch(one.M, "row shares", "grad_out", g.size(1), offsets, values, psw);
   BackwardArgs A;
   A.M = &one.M;
   A.B = g.size(0);
