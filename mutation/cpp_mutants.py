@@ -122,8 +122,8 @@ MUTANTS = [
     Mutant(
         "fp16_subnormal_as_normal",
         TBE,
-        "noisy[k] = a < 6.103515625e-05f ? sub : nrm;",
-        "noisy[k] = nrm;",
+        "noisy[k] = !std::isfinite(x) ? x : a < 6.103515625e-05f ? sub : nrm;",
+        "noisy[k] = !std::isfinite(x) ? x : nrm;",
         "FP16 stochastic rounding ignores the subnormal range",
     ),
     Mutant(
@@ -144,8 +144,8 @@ MUTANTS = [
     Mutant(
         "weight_decay_on_gradient",
         BWD,
-        "for (int64_t d = 0; d < D; ++d) g[d] += A.wd * w[d];",
-        "for (int64_t d = 0; d < D; ++d) g[d] += A.wd * g[d];",
+        "for (int64_t d = 0; d < D; ++d) g[d] += wd * w[d];",
+        "for (int64_t d = 0; d < D; ++d) g[d] += wd * g[d];",
         "weight decay scales the gradient instead of adding wd * w",
     ),
     Mutant(
@@ -179,8 +179,8 @@ MUTANTS = [
     Mutant(
         "rowwise_adagrad_no_weight_decay",
         BWD,
-        "for (int64_t d = 0; d < Ds[i]; ++d) g[i][d] += A.wd * w[i][d];",
-        "for (int64_t d = 0; d < Ds[i]; ++d) g[i][d] += 0.0f * w[i][d];",
+        "for (int i = 0; i < n; ++i) add_weight_decay(A.wd, w[i], g[i], Ds[i]);",
+        "for (int i = 0; i < n; ++i) add_weight_decay(0.0f, w[i], g[i], Ds[i]);",
         "row-wise Adagrad ignores weight decay",
     ),
     Mutant(
@@ -221,8 +221,8 @@ MUTANTS = [
     Mutant(
         "rowwise_adam_sum_not_mean",
         BWD,
-        "(1.0f - b2) * (sq / static_cast<float>(D));",
-        "(1.0f - b2) * sq;",
+        "(1.0f - b2) * (sum_squares(g, D) / static_cast<float>(D));",
+        "(1.0f - b2) * sum_squares(g, D);",
         "row-wise Adam's second moment takes the sum of g^2, not the mean",
     ),
     # -- duplicate merging, pooling and per-id weights -----------------------------------
@@ -243,7 +243,7 @@ MUTANTS = [
     Mutant(
         "forward_mean_not_divided",
         TBE,
-        "for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / L;",
+        "for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / mean_L;",
         "for (int64_t d = 0; d < D; ++d) o[d] = acc[d];",
         "mean pooling returns the sum (forward)",
     ),
@@ -264,8 +264,8 @@ MUTANTS = [
     Mutant(
         "forward_ignores_per_id_weights",
         TBE,
-        "psw ? psw[j] : 1.0f",
-        "1.0f",
+        "Codec::accum(table + id * bytes, D, S.psw ? S.psw[j] : 1.0f, acc, tmp);",
+        "Codec::accum(table + id * bytes, D, 1.0f, acc, tmp);",
         "weighted bags pooled without their per-id weights",
     ),
     Mutant(
@@ -285,8 +285,8 @@ MUTANTS = [
     Mutant(
         "forward_bounds_off_by_one",
         TBE,
-        "if (check && (id < 0 || id >= M.rows[t])) {",
-        "if (check && (id < 0 || id > M.rows[t])) {",
+        "if (id < 0 || id >= S.rows) {\n      if (S.check) S.record_bad(id);",
+        "if (id < 0 || id > S.rows) {\n      if (S.check) S.record_bad(id);",
         "the forward bounds check lets id == rows through",
     ),
     # -- the thread split -----------------------------------------------------------------
@@ -307,9 +307,11 @@ MUTANTS = [
     Mutant(
         "forward_accumulator_reset_per_chunk",
         TBE,
-        "std::fill(acc.begin(), acc.begin() + D, 0.0f);",
-        "if (s == begin) std::fill(acc.begin(), acc.begin() + D, 0.0f);",
-        "forward clears its accumulator once per thread chunk, not per bag",
+        "std::fill(acc, acc + D, 0.0f);\n  for (int64_t j = j0; j < j1; ++j) {\n"
+        "    if (j + S.ahead",
+        "if (j0 == 0) std::fill(acc, acc + D, 0.0f);\n  for (int64_t j = j0; j < j1; ++j) {\n"
+        "    if (j + S.ahead",
+        "the any-format forward clears its accumulator once (first bag), not per bag",
     ),
 ]
 
