@@ -93,8 +93,7 @@ def test_calls_that_something_must_see_go_through_the_op(case: str) -> None:
 def _pool_args(out: torch.Tensor) -> tuple[Any, ...]:
     """A real ``tbe_forward`` call: one table of 4 rows x dim 2, 2 bags of one id."""
     meta = [
-        torch.tensor(v, dtype=torch.int64)
-        for v in ([0], [2], [4], [0], [0], [0], [0], [0], [0])
+        torch.tensor(v, dtype=torch.int64) for v in ([0], [2], [4], [0], [0], [0], [0], [0], [0])
     ]
     weights = torch.arange(8, dtype=torch.float32)
     return (weights, meta, torch.tensor([1, 3]), torch.tensor([1, 1]), None, out, "fp32", True)
@@ -127,7 +126,8 @@ def test_dot_interaction_keeps_its_gradient(kernel_path: str) -> None:
     dense = torch.randn(3, 4, requires_grad=True)
     emb = torch.randn(3, 8, requires_grad=True)
     ops.dot_interaction(dense, emb).sum().backward()
-    assert dense.grad is not None and emb.grad is not None
+    assert dense.grad is not None
+    assert emb.grad is not None
     with torch.no_grad():  # no gradient wanted: the direct path, the same numbers
         direct = ops.dot_interaction(dense, emb)
     assert torch.equal(direct, ops._dot_interaction_op(dense.detach(), emb.detach()))
