@@ -3,6 +3,10 @@
 Each op is defined once with ``torch.library.custom_op``; its default implementation is
 the portable one in ``reference.py`` (any device), and the CPU kernel is the compiled
 one from ``csrc/`` when it builds (see ``_build.py``). Callers never branch on device.
+The names exported here wrap each op (``_eager_cpu_path``): a plain eager call on CPU
+tensors runs the CPU kernel without the custom op's Python layers (about 90 us a call);
+tracing, fake tensors, other devices and autograd go through the op itself
+(``_<name>_op``).
 
 The ops: ``tbe_forward``, ``tbe_backward_update`` and ``tbe_row_gradient_shares``
 (table-batched embedding), two of the dense path, ``dot_interaction``
