@@ -349,13 +349,17 @@ inline std::vector<int64_t> offsets_of(const at::Tensor& lengths) {
   return off;
 }
 
-// The batch against the store's layout, checked before any read: without it a gradient
-// or output narrower than the store's columns, or lengths that add up to more ids than
-// `values` (or its per-id weights) holds, are read past their ends. `width` is the
-// columns of `what` (the output or the gradient); `offsets` are the lengths' (F*B+1,).
-inline void check_batch(const Meta& M, const char* where, const char* what, int64_t width,
-                        const std::vector<int64_t>& offsets, const at::Tensor& values,
-                        const c10::optional<at::Tensor>& psw) {
+// The batch against the store's layout, checked before any read: without it lengths of
+// another batch size, a gradient or output narrower than the store's columns, or lengths
+// that add up to more ids than `values` (or its per-id weights) holds, are read past
+// their ends. `B` and `width` are the rows and columns of `what` (the output or the
+// gradient); `offsets` are the lengths' prefix sums (one more than the lengths).
+inline void check_batch(const Meta& M, const char* where, const char* what, int64_t B,
+                        int64_t width, const std::vector<int64_t>& offsets,
+                        const at::Tensor& values, const c10::optional<at::Tensor>& psw) {
+  const int64_t n_lengths = static_cast<int64_t>(offsets.size()) - 1;
+  TETRAREC_CHECK(n_lengths == M.F * B, "tetrarec tbe ", where, ": lengths must have F*B = ", M.F,
+              "*", B, " entries, got ", n_lengths);
   int64_t cols = 0;
   for (int64_t f = 0; f < M.F; ++f) {
     if (M.feat_table[f] >= 0) cols = std::max(cols, M.feat_cols[f] + M.dims[M.feat_table[f]]);
@@ -563,10 +567,8 @@ at::Tensor tbe_forward(const at::Tensor& weights, const std::vector<at::Tensor>&
   TETRAREC_CHECK(weights.is_contiguous() && values.is_contiguous(),
               "tetrarec tbe forward: weights and values must be contiguous");
   const int64_t B = out.size(0);
-  TETRAREC_CHECK(lengths.numel() == M.F * B, "tetrarec tbe forward: lengths must have F*B = ", M.F,
-              "*", B, " entries, got ", lengths.numel());
   const std::vector<int64_t> offsets = offsets_of(lengths);
-  check_batch(M, "forward", "out", out.size(1), offsets, values, psw);
+  check_batch(M, "forward", "out", B, out.size(1), offsets, values, psw);
   const float* psw_p = nullptr;
   at::Tensor psw_c;
   if (psw.has_value()) {
@@ -599,11 +601,9 @@ at::Tensor tbe_backward_update(const at::Tensor& grad_out, at::Tensor& weights,
   TETRAREC_CHECK(hparams.size() == 5 && flags.size() == 5,
               "tetrarec tbe backward: hparams and flags need 5 entries each, got ", hparams.size(),
               " and ", flags.size());
-  TETRAREC_CHECK(g.dim() == 2 && lengths.numel() == M.F * g.size(0),
-              "tetrarec tbe backward: lengths must have F*B = ", M.F, "*", g.size(0),
-              " entries, got ", lengths.numel());
+  TETRAREC_CHECK(g.dim() == 2, "tetrarec tbe backward: grad_out must be 2-D, got ", g.dim(), "-D");
   const std::vector<int64_t> offsets = offsets_of(lengths);
-  check_batch(M, "backward", "grad_out", g.size(1), offsets, values, psw);
+  check_batch(M, "backward", "grad_out", g.size(0), g.size(1), offsets, values, psw);
   TETRAREC_CHECK(values.is_contiguous(), "tetrarec tbe: values must be contiguous");
   BackwardArgs A;
   A.M = &M;
@@ -659,9 +659,8 @@ std::tuple<at::Tensor, at::Tensor> tbe_row_gradient_shares(
               " is not a table of this store (valid: 0..", all.T - 1, ")");
   const OneTableMeta one(all, table);
   at::Tensor g = grad_out.contiguous().to(at::kFloat);
-  TETRAREC_CHECK(g.dim() == 2 && lengths.numel() == all.F * g.size(0),
-              "tetrarec tbe row shares: lengths must have F*B = ", all.F, "*", g.size(0),
-              " entries, got ", lengths.numel());
+  TETRAREC_CHECK(g.dim() == 2, "tetrarec tbe row shares: grad_out must be 2-D, got ", g.dim(),
+              "-D");
   TETRAREC_CHECK(values.is_contiguous() && weights.is_contiguous(),
               "tetrarec tbe row shares: weights and values must be contiguous");
   TETRAREC_CHECK(values.numel() < (int64_t(1) << 31) && all.F * g.size(0) < (int64_t(1) << 31),
@@ -671,7 +670,7 @@ std::tuple<at::Tensor, at::Tensor> tbe_row_gradient_shares(
   // step, each time for the whole batch's bags.
   thread_local std::vector<int64_t> offsets;
   offsets_into(lengths, &offsets);
-  check_batch(one.M, "row shares", "grad_out", g.size(1), offsets, values, psw);
+  check_batch(one.M, "row shares", "grad_out", g.size(0), g.size(1), offsets, values, psw);
   BackwardArgs A;
   A.M = &one.M;
   A.B = g.size(0);
