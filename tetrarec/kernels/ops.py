@@ -82,7 +82,9 @@ def _plain_eager_cpu(args: tuple[Any, ...]) -> bool:
     inside list arguments) a plain CPU tensor, and none needing a gradient. About 2 us
     for the backward's 25 tensors.
     """
-    if _dispatch_modes() or _function_modes() or torch.compiler.is_compiling():
+    # Tracing first: dynamo folds it to True and never reaches the private hooks, which
+    # it cannot trace (fullgraph=True failed on them), so a compiled graph keeps the op.
+    if torch.compiler.is_compiling() or _dispatch_modes() or _function_modes():
         return False
     grad = torch.is_grad_enabled()
     for a in args:

@@ -131,3 +131,21 @@ def test_dot_interaction_keeps_its_gradient(kernel_path: str) -> None:
     with torch.no_grad():  # no gradient wanted: the direct path, the same numbers
         direct = ops.dot_interaction(dense, emb)
     assert torch.equal(direct, ops._dot_interaction_op(dense.detach(), emb.detach()))
+
+
+def test_torch_compile_traces_the_ops_in_one_graph(kernel_path: str) -> None:
+    """The direct path's checks must not break a ``torch.compile`` graph: with the
+    tracing check after the private dispatch-mode hooks, dynamo failed on them
+    (``fullgraph=True`` raised)."""
+
+    def f(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        rounded = torch.empty_like(x)
+        ops.round_to_bf16_out(x, rounded)
+        ops.tbe_forward(*_pool_args(out))
+        return ops.dot_interaction(rounded[:, :4], rounded) + out.sum()
+
+    x = torch.randn(3, 8)
+    eager_out, compiled_out = torch.zeros(2, 2), torch.zeros(2, 2)
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x, compiled_out), f(x, eager_out))
+    assert torch.equal(compiled_out, eager_out)
