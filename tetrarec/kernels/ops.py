@@ -71,6 +71,10 @@ _function_modes: Callable[[], bool] = getattr(
     torch._C, "_is_torch_function_mode_enabled", lambda: True
 )
 _profiling: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled", lambda: True)
+# The innermost active torch.func transform (vmap, grad, ...), None outside them.
+_func_transform: Callable[[], object] = getattr(
+    torch._C._functorch, "peek_interpreter_stack", lambda: True
+)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # no __torch_function__ of their own
 
 
@@ -78,13 +82,16 @@ def _plain_eager_cpu(args: tuple[Any, ...]) -> bool:
     """Whether a call with ``args`` may run its CPU kernel without the dispatcher.
 
     Only plain eager code qualifies: no ``torch.compile``/export tracing, no dispatch or
-    ``__torch_function__`` mode (fake tensors, flop counters, ...), every tensor (also
+    ``__torch_function__`` mode (fake tensors, flop counters, ...), no ``torch.func``
+    transform (vmap, grad), every tensor (also
     inside list arguments) a plain CPU tensor, and none needing a gradient. About 2 us
     for the backward's 25 tensors.
     """
     # Tracing first: dynamo folds it to True and never reaches the private hooks, which
     # it cannot trace (fullgraph=True failed on them), so a compiled graph keeps the op.
     if torch.compiler.is_compiling() or _dispatch_modes() or _function_modes():
+        return False
+    if _func_transform() is not None:  # vmap's batched tensors have no storage to hand on
         return False
     grad = torch.is_grad_enabled()
     for a in args:

@@ -67,7 +67,7 @@ def test_a_plain_eager_cpu_call_runs_the_kernel_and_bumps_what_it_mutates() -> N
 
 @pytest.mark.parametrize(
     "case",
-    ["kwargs", "requires_grad", "meta", "subclass", "dispatch_mode", "function_mode"],
+    ["kwargs", "requires_grad", "meta", "subclass", "dispatch_mode", "function_mode", "vmap"],
 )
 def test_calls_that_something_must_see_go_through_the_op(case: str) -> None:
     log: list[str] = []
@@ -84,6 +84,8 @@ def test_calls_that_something_must_see_go_through_the_op(case: str) -> None:
     elif case == "dispatch_mode":
         with _Logging():
             call(x, outs, out)
+    elif case == "vmap":  # batched tensors: plain Tensor type and CPU, but no storage
+        torch.vmap(lambda row: call(row, outs, out))(torch.ones(2, 3))
     else:
         with TorchFunctionMode():
             call(x, outs, out)
