@@ -72,7 +72,6 @@ def _check_batch(
     what: str,
     width: int,
     batch: int,
-    lengths: torch.Tensor,
     offsets: torch.Tensor,
     values: torch.Tensor,
     psw: torch.Tensor | None,
@@ -87,11 +86,11 @@ def _check_batch(
             add up to.
     """
     dims, feat_table, feat_cols = meta[1], meta[4], meta[5]
-    features = len(feat_table)
-    if lengths.numel() != features * batch:
+    features, n_lengths = len(feat_table), offsets.numel() - 1  # offsets: (lengths + 1,)
+    if n_lengths != features * batch:
         raise RuntimeError(
             f"tetrarec tbe {where}: lengths must have F*B = {features}*{batch} entries, "
-            f"got {lengths.numel()}"
+            f"got {n_lengths}"
         )
     cols = max((feat_cols[f] + dims[t] for f, t in enumerate(feat_table) if t >= 0), default=0)
     if width < cols:
@@ -131,9 +130,7 @@ def pooled_forward(
     host = [m.tolist() for m in meta[:7]]
     w_off, dims, rows, _, feat_table, feat_cols, feat_mean = host
     batch = out.shape[0]
-    _check_batch(
-        host, "forward", "out", out.shape[1], batch, lengths, offsets, values, per_sample_weights
-    )
+    _check_batch(host, "forward", "out", out.shape[1], batch, offsets, values, per_sample_weights)
     starts = _feature_starts(offsets, batch, len(feat_table))  # (F+1,)
     for f, t in enumerate(feat_table):
         if t < 0:
@@ -303,7 +300,7 @@ def row_gradient_shares(
     offsets = offsets_from_lengths(lengths.long())
     batch, width = grad_out.shape
     _check_batch(
-        one_table, "row shares", "grad_out", width, batch, lengths, offsets, values,
+        one_table, "row shares", "grad_out", width, batch, offsets, values,
         per_sample_weights,
     )  # fmt: skip
     _check_ids_before_update(values, offsets, one_table, batch)
@@ -375,9 +372,7 @@ def backward_update(
     )
     host = [m.tolist() for m in meta]
     batch, width = grad_out.shape
-    _check_batch(
-        host, "backward", "grad_out", width, batch, lengths, offsets, values, per_sample_weights
-    )
+    _check_batch(host, "backward", "grad_out", width, batch, offsets, values, per_sample_weights)
     _check_ids_before_update(values, offsets, host, batch)
     w_off, dims, rows = host[0], host[1], host[2]
     psw_grad = None

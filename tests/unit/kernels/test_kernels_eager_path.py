@@ -67,7 +67,16 @@ def test_a_plain_eager_cpu_call_runs_the_kernel_and_bumps_what_it_mutates() -> N
 
 @pytest.mark.parametrize(
     "case",
-    ["kwargs", "requires_grad", "meta", "subclass", "dispatch_mode", "function_mode", "vmap"],
+    [
+        "kwargs",
+        "requires_grad",
+        "meta",
+        "meta_in_tuple",
+        "subclass",
+        "dispatch_mode",
+        "function_mode",
+        "vmap",
+    ],
 )
 def test_calls_that_something_must_see_go_through_the_op(case: str) -> None:
     log: list[str] = []
@@ -79,6 +88,8 @@ def test_calls_that_something_must_see_go_through_the_op(case: str) -> None:
         call(torch.ones(3, requires_grad=True), outs, out)
     elif case == "meta":
         call(x, [torch.empty(2, device="meta")], out)  # a list element counts too
+    elif case == "meta_in_tuple":
+        call(x, (torch.empty(2, device="meta"),), out)  # so does a tuple element
     elif case == "subclass":
         call(x, outs, out.as_subclass(_Subclass))
     elif case == "dispatch_mode":
