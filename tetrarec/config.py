@@ -343,6 +343,10 @@ class TrainConfig:
         checkpoint_dir: where checkpoints go; ``None`` writes none.
         keep_checkpoints: how many of the newest checkpoints to keep (the best one,
             with ``keep_best``, is kept besides these).
+        overwrite_checkpoints: a run started without ``--resume`` in a
+            ``checkpoint_dir`` that already holds checkpoints deletes them (and its
+            ``best`` link) first. Default ``False``: such a run is refused, naming the
+            newest checkpoint, as pruning would mix the two runs' checkpoints.
         keep_best: ``"auc"`` (higher is better) or ``"log_loss"`` (lower is better):
             track the best evaluation by that metric. The summary reports its step and
             metrics next to the final ones; with ``checkpoint_dir``, each new best is
@@ -375,6 +379,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
     keep_checkpoints: int = 3
+    overwrite_checkpoints: bool = False
     keep_best: BestMetric | None = None
     early_stop_patience: int = 0
     seed: int = 0

@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -52,6 +53,7 @@ from tetrarec.kernels import build_cpu_kernels
 from tetrarec.sparse import Batch
 from tetrarec.train.build import RunParts, build_parts, model_embeddings
 from tetrarec.train.checkpoint import (
+    BEST_LINK,
     best_checkpoint,
     latest_checkpoint,
     list_checkpoints,
@@ -213,9 +215,13 @@ def train(
 
     Raises:
         NonFiniteLossError: if a step's loss is not finite (naming the step).
-        ValueError: on a bad configuration, or ``resume`` without a checkpoint.
+        ValueError: on a bad configuration, ``resume`` without a checkpoint, or a
+            fresh run whose ``checkpoint_dir`` holds checkpoints (unless
+            ``train.overwrite_checkpoints``).
     """
     launch = launch or LaunchInfo()
+    if not resume:
+        _clear_for_fresh_run(config.train, launch.rank)
     # A process group this call joins, it leaves; one its caller joined, it leaves alone.
     owns_group = launch.distributed and not is_joined()
     with _runtime(config.train):
@@ -232,6 +238,39 @@ def train(
             return run.run()
         finally:
             run.close()
+
+
+def _clear_for_fresh_run(config: TrainConfig, rank: int) -> None:
+    """Keep a fresh run from mixing its checkpoints with an earlier run's.
+
+    Pruning keeps the newest checkpoints of the directory: an earlier, longer run's
+    would outlive (and delete) the new run's own. So a fresh run in a directory with
+    checkpoints is refused, or, with ``train.overwrite_checkpoints``, rank 0 deletes
+    them first (before any collective, so no rank writes into the directory sooner).
+    """
+    root = config.checkpoint_dir
+    found = list_checkpoints(root) if root else []
+    if not found:
+        return
+    if not config.overwrite_checkpoints:
+        raise ValueError(
+            f"train.checkpoint_dir={root!r} holds an earlier run's checkpoints (newest: "
+            f"{found[-1].name}): pass --resume to continue that run, or set "
+            "train.overwrite_checkpoints=true to delete them, or give another "
+            "train.checkpoint_dir"
+        )
+    if rank == 0:
+        assert root is not None
+        link = Path(root) / BEST_LINK
+        if link.is_symlink():
+            link.unlink()
+        for path in found:
+            shutil.rmtree(path)
+        logger.info(
+            "train.overwrite_checkpoints: deleted %d checkpoint(s) of an earlier run in %s",
+            len(found),
+            root,
+        )
 
 
 class _Run:

@@ -274,6 +274,28 @@ def test_keep_best_checkpoints_the_best_step_and_keeps_it(tmp_path, caplog) -> N
     assert outside > 0, "the test needs a miscalibrated evaluation"
 
 
+def test_a_fresh_run_in_a_used_checkpoint_dir_is_refused_or_starts_over(tmp_path) -> None:
+    """A second run without ``--resume`` in a directory where a longer run left
+    checkpoints. Bugs caught: the new run's checkpoints pruned as older than the earlier
+    run's (its best then fails to link, or a resume picks the earlier run's newest), the
+    earlier run's checkpoints silently deleted without ``overwrite_checkpoints``, and a
+    ``best`` link left at the earlier run's step."""
+    ck = tmp_path / "ck"
+    first = [*EVERY_STEP, "train.checkpoint_every=1", "train.keep_checkpoints=1"]
+    train(tiny(ck, *first, "train.steps=8"))
+    before = [p.name for p in list_checkpoints(ck)]
+    refused = r"holds an earlier run's checkpoints \(newest: step_00000008\)"
+    with pytest.raises(ValueError, match=refused):
+        train(tiny(ck, *first, "train.steps=3"))
+    assert [p.name for p in list_checkpoints(ck)] == before  # nothing deleted
+    again = train(tiny(ck, *first, "train.steps=3", "train.overwrite_checkpoints=true"))
+    step, _ = _expected_best(again.evals)
+    names = sorted({f"step_{step:08d}", "step_00000003"})
+    assert [p.name for p in list_checkpoints(ck)] == names
+    assert best_checkpoint(ck) == ck / f"step_{step:08d}"
+    assert latest_checkpoint(ck).name == "step_00000003"
+
+
 def test_early_stop_after_exactly_patience_evaluations_without_improvement(tmp_path) -> None:
     """Bugs caught: stopping one evaluation early or late (the count of non-improving
     evaluations off by one, or not reset by an improvement), a second evaluation of the
