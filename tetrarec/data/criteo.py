@@ -118,13 +118,19 @@ def open_input(path: Path) -> tuple[io.BufferedIOBase, BinaryIO]:
 
     Raises:
         DataFileNotFoundError: if ``path`` does not exist.
-        DataError: if ``path`` is a directory, or is named ``.gz`` without being gzip
-            data (a damaged header, or text under a misleading name).
+        DataError: if ``path`` is a directory, a pipe or a device, or is named ``.gz``
+            without being gzip data (a damaged header, or text under a misleading name).
     """
     if not path.exists():
         raise DataFileNotFoundError(path)
     if path.is_dir():
         raise DataError("expected a file, got a directory", path=path)
+    if not path.is_file():
+        raise DataError(
+            "expected a regular file, got a pipe, socket or device (the reader seeks in "
+            "its input): write the data to a file first",
+            path=path,
+        )
     raw = path.open("rb")
     magic = raw.read(2)
     raw.seek(0)

@@ -64,6 +64,7 @@ __all__ = ["CsvDataset", "iter_csv_blocks", "read_csv"]
 _BLOCK_BYTES = 16 << 20
 _SPLIT = 16  # a failing run of lines is re-read as this many smaller runs
 _BOM = b"\xef\xbb\xbf"
+_LONG_LINE_BYTES = 1 << 20  # pyarrow's default block size: a longer line needs a larger one
 
 
 class _BlockInvalidError(Exception):
@@ -108,14 +109,28 @@ class _FilePlan:
         parse = self.parse_options
         if invalid_row is not None:
             parse = _parse_options(self.csv.delimiter, invalid_row)
-        return pacsv.read_csv(
-            pa.py_buffer(data),
-            read_options=pacsv.ReadOptions(
+
+        def read(block_size: int | None) -> pa.Table:
+            options = pacsv.ReadOptions(
                 column_names=list(self.names), skip_rows=skip, use_threads=invalid_row is None
-            ),
-            parse_options=parse,
-            convert_options=convert or self.convert,
-        )
+            )
+            if block_size is not None:
+                options.block_size = block_size
+            return pacsv.read_csv(
+                pa.py_buffer(data),
+                read_options=options,
+                parse_options=parse,
+                convert_options=convert or self.convert,
+            )
+
+        try:
+            return read(None)
+        except pa.ArrowInvalid as e:
+            # pyarrow parses in blocks (1 MiB by default) and refuses a line longer
+            # than one: read the data as a single block instead (no threads, but valid).
+            if "straddl" not in str(e) or len(data) < _LONG_LINE_BYTES:
+                raise
+            return read(len(data) + 1)
 
 
 def _parse_options(
@@ -200,15 +215,16 @@ def _parse_block(data: bytes, expected_rows: int, plan: _FilePlan) -> MultiHotCo
     if not pc.all(pc.is_in(label, value_set=pa.array(["0", "1"]))).as_py():
         raise _BlockInvalidError
     labels = pc.equal(label, "1").to_numpy(zero_copy_only=False).astype(np.float32)
-    dense = np.zeros((expected_rows, len(m.dense_columns)), dtype=np.float64)
-    for i, name in enumerate(m.dense_columns):
-        dense[:, i] = table.column(name).combine_chunks().fill_null(0).to_numpy()
+    dense = np.zeros((expected_rows, len(m.dense_columns)), dtype=np.float32)
+    with np.errstate(over="ignore"):  # beyond float32's range is inf, refused just below
+        for i, name in enumerate(m.dense_columns):
+            dense[:, i] = table.column(name).combine_chunks().fill_null(0).to_numpy()
     if not np.isfinite(dense).all():
         raise _BlockInvalidError
     bags = [_bags(table.column(c).combine_chunks(), c, plan) for c in m.sparse_columns]
     return MultiHotColumns(
         labels=labels,
-        dense=dense.astype(np.float32),
+        dense=dense,
         ids=tuple(b[0] for b in bags),
         offsets=tuple(b[1] for b in bags),
         multi_hot=tuple(c in plan.multi_hot for c in m.sparse_columns),
@@ -235,7 +251,7 @@ def _diagnose(line: bytes, lineno: int, plan: _FilePlan) -> DataError:
             f"{reason.value} ({detail})", path=plan.path, line=lineno, field=column, reason=reason
         )
 
-    counts: list[int] = []
+    counts: list[int] = []  # the field counts of the rows pyarrow could not take
 
     def invalid_row(row: object) -> str:
         counts.append(int(getattr(row, "actual_columns", -1)))
@@ -246,11 +262,16 @@ def _diagnose(line: bytes, lineno: int, plan: _FilePlan) -> DataError:
         table = plan.read(line, as_bytes, invalid_row)
     except pa.ArrowInvalid:
         table = None
+    expected = f"expected {len(plan.names)} fields separated by {plan.csv.delimiter!r}"
+    if table is not None and table.num_rows + len(counts) > 1:
+        # pyarrow ends a row at a lone "\r" too: the line read as several rows
+        return bad(
+            BadLineReason.FIELD_COUNT,
+            "fields",
+            f"{expected}, got a carriage return inside the line, which splits it",
+        )
     if table is None or table.num_rows != 1:
-        expected = f"expected {len(plan.names)} fields separated by {plan.csv.delimiter!r}"
         got = f"got {counts[0]}" if counts else "got an empty line"
-        if table is not None and table.num_rows > 1:
-            got = "a carriage return inside the line splits it"
         return bad(BadLineReason.FIELD_COUNT, "fields", f"{expected}, {got}")
     for name in plan.used:
         value: bytes = table.column(name)[0].as_py()
@@ -260,19 +281,33 @@ def _diagnose(line: bytes, lineno: int, plan: _FilePlan) -> DataError:
             return bad(BadLineReason.NOT_UTF8, name, f"got {value[:30]!r}")
         if name == plan.mapping.label_column and text not in ("0", "1"):
             return bad(BadLineReason.LABEL_NOT_BINARY, name, f"got {text[:20]!r}")
-        if name in plan.mapping.dense_columns and not _dense_ok(line, name, plan):
-            return bad(BadLineReason.DENSE_NOT_NUMBER, name, f"got {text[:30]!r}")
+        if name in plan.mapping.dense_columns:
+            problem = _dense_problem(line, name, plan)
+            if problem is not None:
+                detail = f"got {text[:30]!r}" + (f", {problem}" if "range" in problem else "")
+                return bad(BadLineReason.DENSE_NOT_NUMBER, name, detail)
     return bad(BadLineReason.FIELD_COUNT, "fields", f"pyarrow cannot read the line {line[:60]!r}")
 
 
-def _dense_ok(line: bytes, name: str, plan: _FilePlan) -> bool:
-    """Whether column ``name`` of ``line`` reads as a finite float64 (or is empty)."""
+def _dense_problem(line: bytes, name: str, plan: _FilePlan) -> str | None:
+    """What keeps column ``name`` of ``line`` from being a dense value, or ``None``.
+
+    A dense value is a float64 as pyarrow reads it (or empty), finite once stored as
+    float32.
+    """
     try:
         table = plan.read(line, _convert_options({name: pa.float64()}))
     except pa.ArrowInvalid:
-        return False
+        return "not a number"
     value = table.column(name)[0].as_py()
-    return value is None or bool(np.isfinite(value))
+    if value is None:
+        return None
+    if not np.isfinite(value):
+        return "not finite"
+    with np.errstate(over="ignore"):
+        if not np.isfinite(np.float32(value)):
+            return "beyond float32's range, +-3.4e38"
+    return None
 
 
 def _parse_lines(

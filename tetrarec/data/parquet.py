@@ -1,7 +1,8 @@
 """Parquet reader with a declared column mapping.
 
 The mapping (``ColumnMapping``) names the dense columns (numbers, nulls -> 0, used as
-they are: no transform), the sparse columns (in feature order) and the 0/1 label
+they are: no transform; NaN, inf and values beyond float32's range are refused, naming
+the row), the sparse columns (in feature order) and the 0/1 label
 column (integers, floats, booleans or the strings ``"0"``/``"1"``). A sparse column may
 hold:
 
@@ -68,6 +69,27 @@ def _numbers(col: pa.ChunkedArray | pa.Array, path: Path, name: str) -> np.ndarr
     if pa.types.is_boolean(arr.type):
         arr = arr.cast(pa.int8())  # fill_null(0) cannot fill a boolean array
     values: np.ndarray = arr.fill_null(0).to_numpy(zero_copy_only=False).astype(np.float64)
+    return values
+
+
+def _dense(col: pa.ChunkedArray, path: Path, name: str, first_row: int) -> np.ndarray:
+    """``(n,)`` float32 values of a dense column (null -> 0).
+
+    Raises:
+        DataError: for NaN, inf or a value beyond float32's range, naming the first
+            such row.
+    """
+    with np.errstate(over="ignore"):  # beyond float32's range is inf, refused below
+        values = _numbers(col, path, name).astype(np.float32)
+    bad = np.flatnonzero(~np.isfinite(values))
+    if bad.size:
+        row = int(bad[0])
+        raise DataError(
+            f"dense value is not a finite float32 (row {first_row + row + 1} holds "
+            f"{col[row].as_py()!r}; {bad.size} such rows; a null reads as 0)",
+            path=path,
+            field=name,
+        )
     return values
 
 
@@ -139,12 +161,13 @@ def _columns_of_table(
         DataError: for a mistyped column or a bad label, naming the file, row and column.
     """
     labels = _labels(table.column(mapping.label_column), path, mapping.label_column, first_row)
-    d = [_numbers(table.column(c), path, c) for c in mapping.dense_columns]
-    dense = np.stack(d, 1) if d else np.zeros((table.num_rows, 0))
+    dense = np.zeros((table.num_rows, len(mapping.dense_columns)), dtype=np.float32)
+    for i, name in enumerate(mapping.dense_columns):
+        dense[:, i] = _dense(table.column(name), path, name, first_row)
     bags = [_bags(table.column(c), path, c) for c in mapping.sparse_columns]
     return MultiHotColumns(
         labels=labels,
-        dense=dense.astype(np.float32),
+        dense=dense,
         ids=tuple(b[0] for b in bags),
         offsets=tuple(b[1] for b in bags),
         multi_hot=tuple(b[2] for b in bags),

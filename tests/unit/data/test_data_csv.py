@@ -5,6 +5,7 @@ FNV-1a 64 and fmix64 (see test_data_string_hash.py), not with the library's hash
 """
 
 import gzip
+import os
 from pathlib import Path
 
 import numpy as np
@@ -164,6 +165,8 @@ BAD = [
     ("yes,1,u,a,7,x,1,1", BadLineReason.LABEL_NOT_BINARY, "label"),
     ("1,abc,u,a,7,x,1,1", BadLineReason.DENSE_NOT_NUMBER, "price"),
     ("1,1,u,a,7,x,nan,1", BadLineReason.DENSE_NOT_NUMBER, "qty"),
+    ("1,3.5e38,u,a,7,x,1,1", BadLineReason.DENSE_NOT_NUMBER, "price"),  # inf as float32
+    ("1,1,u,a,7,x,1,1\rz", BadLineReason.FIELD_COUNT, "fields"),  # a lone \r ends a row
     ("1,1,u\udcff,a,7,x,1,1", BadLineReason.NOT_UTF8, "user"),
 ]
 
@@ -187,6 +190,33 @@ def test_bad_line_error_names_file_line_and_column(tmp_path, line, reason, colum
     assert (err.value.line, err.value.field, err.value.reason) == (4, column, reason)
 
 
+@pytest.mark.parametrize(
+    ("line", "detail"),
+    [
+        ("1,3.5e38,u,a,7,x,1,1", "(got '3.5e38', beyond float32's range, +-3.4e38)"),
+        # the part before the \r is a whole row: not a dense value, the \r is at fault
+        ("1,1,u,a,7,x,1,1\rz", "got a carriage return inside the line, which splits it)"),
+        # no part has the fields: not a field count of one part
+        ("1,1,u,a\r7,x,1,1", "got a carriage return inside the line, which splits it)"),
+    ],
+)
+def test_bad_line_messages_say_what_is_wrong(tmp_path, line, detail):
+    path = bad_file(tmp_path / "bad.csv", line)
+    with pytest.raises(DataError) as err:
+        dataset([path])
+    assert str(err.value).endswith(detail)
+
+
+def test_a_line_longer_than_pyarrows_block_is_read(tmp_path):
+    """A multi-hot field of 400,000 ids (a 3.2 MB line) is one row, not a bad line
+    (pyarrow refuses a row that straddles more than two of its 1 MiB parse blocks)."""
+    ids = "|".join(str(i) for i in range(1_000_000, 1_400_000))
+    rows = [ROWS[0], [*ROWS[0][:-1], ids], ROWS[2]]
+    ds = dataset([write(tmp_path / "long.csv", rows)])
+    lengths = ds.read(np.arange(3)).sparse.lengths.view(4, 3)  # key-major: (features, batch)
+    assert lengths[3].tolist() == [2, 400_000, 1]
+
+
 def test_skip_counts_each_reason_and_keeps_good_rows(tmp_path):
     """Skip mode drops exactly the bad lines, counts them per reason, and the good rows
     are those of a clean file (catches a good row dropped with a bad one, or a count
@@ -197,9 +227,9 @@ def test_skip_counts_each_reason_and_keeps_good_rows(tmp_path):
     assert_same(ds, clean)
     assert ds.bad_lines.rows_read == 3 * len(BAD)
     assert dict(ds.bad_lines.counts) == {
-        "wrong number of fields": 2,
+        "wrong number of fields": 3,
         "label is not 0 or 1": 2,
-        "dense value is not a finite number": 2,
+        "dense value is not a finite number": 3,
         "value is not UTF-8 text": 1,
     }
 
@@ -246,6 +276,9 @@ def test_file_level_errors(tmp_path):
     path = write(tmp_path / "cols.csv", [r[:5] for r in ROWS], names=NAMES[:5])
     with pytest.raises(DataError, match=r"cols\.csv, line 1: columns \['qty', 'ids'\] are not"):
         dataset([path])
+    os.mkfifo(tmp_path / "pipe.csv")  # <(cat a.csv): cannot be read (no seek)
+    with pytest.raises(DataError, match=r"pipe\.csv: expected a regular file, got a pipe"):
+        dataset([tmp_path / "pipe.csv"])
     (tmp_path / "fake.csv.gz").write_text("label,user\n")
     with pytest.raises(DataError, match="not gzip data"):
         dataset([tmp_path / "fake.csv.gz"])

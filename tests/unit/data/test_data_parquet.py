@@ -252,6 +252,28 @@ def test_a_non_numeric_dense_column_is_named(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("values", "shown"),
+    [
+        ([1.0, np.nan, 2.0, np.nan], "nan"),
+        ([1.0, np.inf, 2.0, -np.inf], "inf"),
+        ([1.0, 1e39, 2.0, -1e39], "1e+39"),  # finite as float64, inf as the float32 stored
+    ],
+)
+def test_a_dense_value_that_is_not_a_finite_float32_is_named(tmp_path, values, shown):
+    """NaN, inf and values beyond float32's range are refused with their row, not read
+    into the batch (where the first step's loss would be ``nan``, naming nothing)."""
+    p = write(tmp_path / "a.parquet", y=[0, 1, 0, 1], d=pa.array(values), s=[1] * 4)
+    with pytest.raises(DataError) as e:
+        read_parquet([p], mapping())
+    assert str(e.value) == (
+        f"{p}, field d: dense value is not a finite float32 (row 2 holds {shown}; "
+        "2 such rows; a null reads as 0)"
+    )
+    ok = write(tmp_path / "b.parquet", y=[0, 1], d=pa.array([3.4e38, None]), s=[1, 2])
+    assert read_parquet([ok], mapping()).dense[:, 0].tolist() == [np.float32(3.4e38), 0.0]
+
+
+@pytest.mark.parametrize(
     "kind",
     [
         pa.string(),
