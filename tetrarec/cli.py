@@ -313,10 +313,12 @@ def _bench(args: argparse.Namespace) -> int:
             f"no benchmark {args.name!r}: {script} does not exist (benchmarks live in the "
             f"source tree, not in an installed package); available: {', '.join(found) or 'none'}"
         )
-    # The script imports the tetrarec of this same source tree, installed or not.
+    # The script imports the tetrarec of this same source tree, installed or not. It
+    # runs in the caller's directory, so that relative paths (--json out.json) are the
+    # caller's; scripts find the repository's own files (examples/) from __file__.
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH")]))
-    return subprocess.call([sys.executable, str(script), *args.args], cwd=_REPO_ROOT, env=env)
+    return subprocess.call([sys.executable, str(script), *args.args], env=env)
 
 
 _COMMANDS = {

@@ -197,6 +197,25 @@ def test_bench_runs_the_script_with_its_args(capfd) -> None:
     assert "usage: bench_quality.py" in capfd.readouterr().out
 
 
+def test_bench_runs_in_the_callers_directory(tmp_path, monkeypatch, capfd) -> None:
+    """A relative ``--json out.json`` lands where the user is, not in the repository
+    (the bug: the script ran with the repository root as its working directory)."""
+    import tetrarec.cli as cli
+
+    tree = tmp_path / "tree"
+    (tree / "benchmarks").mkdir(parents=True)
+    (tree / "benchmarks" / "bench_where.py").write_text(
+        "import sys, pathlib\npathlib.Path(sys.argv[2]).write_text(str(pathlib.Path.cwd()))\n"
+    )
+    user = tmp_path / "user"
+    user.mkdir()
+    monkeypatch.setattr(cli, "_REPO_ROOT", tree)
+    monkeypatch.chdir(user)
+    assert main(["-q", "bench", "where", "--json", "out.json"]) == 0
+    assert (user / "out.json").read_text() == str(user)
+    assert not (tree / "out.json").exists()
+
+
 # -- tetrarec's own errors: one line on stderr, the documented exit status -----------------
 
 
