@@ -355,7 +355,8 @@ class TrainConfig:
             ``eval_every = 0`` the only evaluation is the final one, which is the best.
         early_stop_patience: stop once this many consecutive evaluations have not
             improved on the best (0: never). Needs ``keep_best`` and ``eval_every > 0``.
-        seed: seeds model init, data order, dropout and every RNG.
+        seed: seeds model init, data order, dropout and every RNG; 0 to 2**32 - 1
+            (numpy's range).
         device: ``auto`` (``cuda:LOCAL_RANK`` where torch sees a CUDA device, else the
             CPU), ``cpu`` or ``cuda`` (``cuda:LOCAL_RANK``; an error without CUDA). The
             model, every batch and the evaluation run there; a sharded run communicates
@@ -400,9 +401,12 @@ class TrainConfig:
             bad["epochs"] = self.epochs
         if self.keep_checkpoints < 1:
             bad["keep_checkpoints"] = self.keep_checkpoints
+        if not 0 <= self.seed < 2**32:
+            bad["seed"] = self.seed
         if bad:
             raise ValueError(
-                f"bad train settings {bad} (counts >= 0, epochs > 0, keep_checkpoints >= 1)"
+                f"bad train settings {bad} (counts >= 0, epochs > 0, keep_checkpoints >= 1, "
+                "0 <= seed < 2**32)"
             )
         if self.steps is not None and self.epochs is not None:
             raise ValueError(

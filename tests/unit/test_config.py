@@ -257,6 +257,9 @@ def test_train_steps_or_epochs() -> None:
         (["train.keep_best=accuracy"], r"'accuracy' is not one of auc, log_loss"),
         (["train.early_stop_patience=-1"], r"early_stop_patience"),
         (["model.dlrm.dropout=1.0"], r"dropout must be in \[0, 1\), got 1\.0"),
+        # numpy's seeding would refuse these later, in a message naming no setting
+        (["train.seed=-1"], r"bad train settings \{'seed': -1\}"),
+        (["train.seed=4294967296"], r"bad train settings \{'seed': 4294967296\}"),
     ],
 )
 def test_train_quality_settings_are_checked(overrides: list[str], match: str) -> None:
