@@ -598,9 +598,11 @@ class _Run:
                     prune_checkpoints(tc.checkpoint_dir, tc.keep_checkpoints)
                 self.best_path = self.last_checkpoint
             return
-        if self.rank == 0:
+        if self.rank == 0 and self.best.step is None:
+            logger.info("no evaluation with a finite %s yet (%d so far)", name, self.best.since)
+        elif self.rank == 0:
             logger.info(
-                "no improvement on the best %s (step %s) for %d evaluation(s)",
+                "no improvement on the best %s (step %d) for %d evaluation(s)",
                 name,
                 self.best.step,
                 self.best.since,
@@ -647,6 +649,12 @@ def _log_summary(result: TrainResult, planned: int, patience: int) -> None:
     if best is not None:
         where = f" ({result.best_checkpoint})" if result.best_checkpoint else ""
         logger.info("%s%s", best, where)
+    elif result.best is not None and result.evals:
+        logger.warning(
+            "train.keep_best: no evaluation had a finite %s (an AUC needs both labels in "
+            "the evaluation rows), so there is no best checkpoint",
+            result.best.metric.value,
+        )
     if result.stopped_early:
         logger.info(
             "stopped early at step %d of %d (train.early_stop_patience = %d)",

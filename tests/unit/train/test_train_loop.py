@@ -296,6 +296,23 @@ def test_a_fresh_run_in_a_used_checkpoint_dir_is_refused_or_starts_over(tmp_path
     assert latest_checkpoint(ck).name == "step_00000003"
 
 
+def test_keep_best_without_a_finite_metric_warns_and_links_nothing(tmp_path, caplog) -> None:
+    """Evaluation rows of one label have no AUC. Bugs caught: a ``nan`` taken as the
+    best (a ``best`` link to it), a log line naming a best "step None", and a run that
+    ends with no best without saying so."""
+    ck = tmp_path / "ck"
+    caplog.set_level(logging.INFO, logger="tetrarec.train.loop")
+    result = train(tiny(ck, *EVERY_STEP, "train.steps=3", "data.synthetic.target_ctr=1e-9"))
+    assert all(math.isnan(m.auc) for _, m in result.evals)
+    assert result.best.step is None
+    assert result.best_checkpoint is None
+    assert best_checkpoint(ck) is None
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("None" in m for m in messages)
+    assert "no evaluation with a finite auc yet (2 so far)" in messages
+    assert any("no evaluation had a finite auc" in m for m in messages)
+
+
 def test_early_stop_after_exactly_patience_evaluations_without_improvement(tmp_path) -> None:
     """Bugs caught: stopping one evaluation early or late (the count of non-improving
     evaluations off by one, or not reset by an improvement), a second evaluation of the
