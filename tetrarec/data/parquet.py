@@ -83,14 +83,25 @@ def _dense(col: pa.ChunkedArray, path: Path, name: str, first_row: int) -> np.nd
         values = _numbers(col, path, name).astype(np.float32)
     bad = np.flatnonzero(~np.isfinite(values))
     if bad.size:
-        row = int(bad[0])
-        raise DataError(
-            f"dense value is not a finite float32 (row {first_row + row + 1} holds "
-            f"{col[row].as_py()!r}; {bad.size} such rows; a null reads as 0)",
-            path=path,
-            field=name,
-        )
+        raise _bad_rows("dense value is not a finite float32", col, bad, first_row, path, name)
     return values
+
+
+def _bad_rows(
+    what: str,
+    col: pa.ChunkedArray | pa.Array,
+    bad: np.ndarray,
+    first_row: int,
+    path: Path,
+    name: str,
+) -> DataError:
+    """The error for rows ``bad`` of a column, naming the first (1-based in the file)."""
+    row = int(bad[0])
+    return DataError(
+        f"{what} (row {first_row + row + 1} holds {col[row].as_py()!r}; {bad.size} such rows)",
+        path=path,
+        field=name,
+    )
 
 
 def _labels(col: pa.ChunkedArray, path: Path, name: str, first_row: int) -> np.ndarray:
@@ -103,13 +114,7 @@ def _labels(col: pa.ChunkedArray, path: Path, name: str, first_row: int) -> np.n
         values = _numbers(arr, path, name)
         bad = np.flatnonzero((values != 0) & (values != 1) | np.asarray(arr.is_null()))
     if bad.size:
-        row = int(bad[0])
-        raise DataError(
-            f"label is not 0 or 1 (row {first_row + row + 1} holds {arr[row].as_py()!r}; "
-            f"{bad.size} such rows)",
-            path=path,
-            field=name,
-        )
+        raise _bad_rows("label is not 0 or 1", arr, bad, first_row, path, name)
     return np.asarray(values, dtype=np.float32)
 
 
