@@ -393,13 +393,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     from tqdm.contrib.logging import logging_redirect_tqdm
 
+    from tetrarec.comm import CollectiveError
     from tetrarec.train import NonFiniteLossError, NonFiniteStateError
 
     try:
         with logging_redirect_tqdm():
             _build_kernels(args.command)
             return _COMMANDS[args.command](args)
-    except (NonFiniteLossError, NonFiniteStateError, _RunFailedError) as e:
+    except (NonFiniteLossError, NonFiniteStateError, CollectiveError, _RunFailedError) as e:
         return _fail(args.command, e, 1)
     except (ValueError, FileNotFoundError) as e:  # DataError is a ValueError
         return _fail(args.command, e, 2)

@@ -219,6 +219,28 @@ def test_bench_runs_in_the_callers_directory(tmp_path, monkeypatch, capfd) -> No
 # -- tetrarec's own errors: one line on stderr, the documented exit status -----------------
 
 
+def test_a_rank_that_cannot_join_is_one_line_naming_rank_and_timeout(capsys, monkeypatch) -> None:
+    """A rank missing or late at the rendezvous: exit 1 with one line naming the rank
+    and ``sharding.timeout_s``, not torch's ``DistStoreError`` traceback through tetrarec."""
+    import torch.distributed as dist
+
+    def late(*args, **kwargs):
+        raise dist.DistStoreError("wait timeout after 3000ms, keys: /default_pg/0//cpu//0/1")
+
+    monkeypatch.setattr(dist, "init_process_group", late)
+    launch = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+    for key, value in launch.items():  # rank 0 of a 2-rank torchrun launch
+        monkeypatch.setenv(key, value)
+    sets = _sets(*TINY, "sharding.type=row_wise", "sharding.timeout_s=3")
+    assert main(["-q", "train", "--config", str(SYNTHETIC), *sets]) == 1
+    err = _one_line(capsys.readouterr().err)
+    assert err.startswith(
+        "tetrarec train: error: rank 0: joining the gloo process group of 2 ranks failed "
+        "within sharding.timeout_s = 3 s"
+    )
+    assert "DistStoreError: wait timeout" in err
+
+
 def test_bad_data_line_is_one_line_naming_file_line_and_field(capsys, tmp_path) -> None:
     """A bad Criteo line stops preprocess and train with exit 2 and the reader's message."""
     raw = tmp_path / "day.tsv"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tetrarec.comm.collectives import Communicator
+from tetrarec.comm.collectives import CollectiveError, Communicator
 
 __all__ = [
     "LaunchInfo",
@@ -87,6 +87,7 @@ def init_from_env(info: LaunchInfo, *, device: torch.device, timeout_s: float) -
 
     Raises:
         ValueError: if an existing group's backend does not fit ``device``.
+        CollectiveError: if joining fails or times out (a rank missing or late).
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     if not info.distributed:
@@ -101,7 +102,14 @@ def init_from_env(info: LaunchInfo, *, device: torch.device, timeout_s: float) -
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if joined is None:
-        dist.init_process_group(backend=backend, timeout=timeout)
+        try:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        except RuntimeError as e:  # DistStoreError (a rank missing), gloo's connect errors
+            raise CollectiveError(
+                f"rank {info.rank}: joining the {backend} process group of "
+                f"{info.world_size} ranks failed within sharding.timeout_s = {timeout_s:g} s "
+                f"(did every rank start, and in time?): {type(e).__name__}: {e}"
+            ) from e
     return Communicator(
         dist.group.WORLD,
         rank=dist.get_rank(),
