@@ -262,10 +262,21 @@ def _stats(args: argparse.Namespace) -> int:
 # --- tetrarec plan (the sharding planner) -------------------------------------------------
 
 
+def _at_least_one(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _add_plan(sub: Any) -> None:
     plan = sub.add_parser("plan", help="plan the sharding of a run's tables and explain it")
     plan.add_argument("--config", required=True, type=Path, help="the run's TOML file")
-    plan.add_argument("--world-size", required=True, type=int, help="ranks to plan for")
+    plan.add_argument("--world-size", required=True, type=_at_least_one, help="ranks to plan for")
     plan.add_argument(
         "--topology",
         default="this-machine",

@@ -69,6 +69,11 @@ def test_plan_errors_are_one_line(capsys, tmp_path) -> None:  # type: ignore[no-
     code = main(["-q", "plan", "--config", str(EXAMPLE), "--world-size", "2", "--topology", "nope"])
     assert code == 2
     assert "presets" in capsys.readouterr().err
+    for bad in ("0", "-1"):  # once "world size 0 is not a multiple of 0 ranks per node"
+        with pytest.raises(SystemExit) as e:
+            main(["-q", "plan", "--config", str(EXAMPLE), "--world-size", bad])
+        assert e.value.code == 2
+        assert f"--world-size: must be at least 1, got {bad}" in capsys.readouterr().err
     if importlib.util.find_spec("matplotlib") is None:
         code = main(
             [
