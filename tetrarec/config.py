@@ -64,6 +64,7 @@ import torch
 from tetrarec.cache import CachePolicy, CacheSpec
 from tetrarec.data.config import DataConfig
 from tetrarec.embedding import SparseOptimizerSpec
+from tetrarec.kernels.quant import SUPPORTED_PRECISIONS
 from tetrarec.models import DLRMConfig
 from tetrarec.types import Placement, PoolingMode, Precision, ShardingType
 
@@ -202,6 +203,11 @@ class ModelConfig:
             raise ValueError(
                 f"model.num_embeddings must be a positive int or {self.num_sparse} positive "
                 f"ints (one per table), got {self.num_embeddings}"
+            )
+        if self.precision not in SUPPORTED_PRECISIONS:
+            valid = ", ".join(p.value for p in SUPPORTED_PRECISIONS)
+            raise ValueError(
+                f"model.precision {self.precision.value!r} is not a row precision; valid: {valid}"
             )
         self._check_placement()
 

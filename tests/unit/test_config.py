@@ -260,6 +260,8 @@ def test_train_steps_or_epochs() -> None:
         # numpy's seeding would refuse these later, in a message naming no setting
         (["train.seed=-1"], r"bad train settings \{'seed': -1\}"),
         (["train.seed=4294967296"], r"bad train settings \{'seed': 4294967296\}"),
+        # a Precision member the row kernels refuse: refused here, naming the key
+        (["model.precision=fp8"], r"model\.precision 'fp8' is not a row precision; valid: fp32,"),
     ],
 )
 def test_train_quality_settings_are_checked(overrides: list[str], match: str) -> None:

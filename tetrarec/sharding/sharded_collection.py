@@ -62,8 +62,8 @@ def _check_placements(plan: ShardingPlan, env: ShardingEnv, tables: Sequence[Tab
     if changed:
         raise ValueError(
             f"the sharding plan stores tables {', '.join(changed)} at another precision than "
-            "the config's: give those tables that precision in the config (model.precision "
-            "or per table), or plan without a precision choice"
+            "the config's model.precision: set model.precision to the plan's (one precision "
+            "for every table), or plan again from this config (tetrarec plan --config ...)"
         )
     on_cpu = env.device.type in ("cpu", "meta")
     here = Placement.HOST if on_cpu else Placement.DEVICE
