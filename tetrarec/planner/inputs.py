@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from tetrarec.embedding import TableConfig
 from tetrarec.planner.topology import Topology
+from tetrarec.sharding.plan import TablePlacement
 from tetrarec.types import OptimizerKind, Precision
 
 if TYPE_CHECKING:
@@ -100,6 +101,9 @@ class TableSpec:
             ``(precision,)``: no choice).
         optimizer: the sparse optimizer (its state lives beside the rows).
         stats: per-feature statistics, in ``features`` order.
+        placement: where the config fixes the rows (its ``cached`` and ``ssd``
+            tables: a run keeps them there whatever its plan says), so the planner
+            chooses only the sharding; ``None``: the planner chooses the tier too.
 
     Raises:
         ValueError: on a bad size or stats that do not match ``features``.
@@ -113,6 +117,7 @@ class TableSpec:
     precisions: tuple[Precision, ...] = ()
     optimizer: OptimizerKind = OptimizerKind.ROWWISE_ADAGRAD
     stats: tuple[AccessStats, ...] = ()
+    placement: TablePlacement | None = None
 
     def __post_init__(self) -> None:
         if self.rows <= 0 or self.dim <= 0:
@@ -296,17 +301,19 @@ def inputs_from_config(
 ) -> PlannerInputs:
     """The planner's inputs for a run config on ``topology``.
 
-    Tables are ``build_tables(config.model)``; the optimizer is ``optim.sparse.kind``;
+    Tables are ``build_tables(config.model)``, the ``cached`` and ``ssd`` ones placed as
+    the config says (``TableSpec.placement``); the optimizer is ``optim.sparse.kind``;
     the batch is ``data.batch_size`` (global); features missing from ``stats`` get
     the defaults (pooling 1, uniform access).
 
     Raises:
         ValueError: on a bad stats file.
     """
-    from tetrarec.train.build import build_tables
+    from tetrarec.train.build import build_tables, fixed_placements
 
     per_feature = load_stats(stats) if stats is not None else {}
     configs = build_tables(config.model)
+    fixed = fixed_placements(config.model)
     kind = config.optim.sparse.kind
     tables = tuple(
         TableSpec(
@@ -317,6 +324,7 @@ def inputs_from_config(
             precision=t.precision,
             optimizer=kind,
             stats=tuple(per_feature.get(f, AccessStats()) for f in t.feature_names),
+            placement=fixed.get(t.name),
         )
         for t in configs
     )

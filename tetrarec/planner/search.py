@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -90,13 +91,29 @@ class Shortfall:
     tier: Tier
     need: float
     shortfall: float
+    buffers: bool = False  # its lookup's buffers (every rank's), not its rows, miss room
 
     def describe(self) -> str:
         """One line."""
+        if self.buffers:
+            return (
+                f"table {self.table!r}: a rank's {self.tier.value} memory is "
+                f"{self.shortfall:,.0f} bytes short of the lookups' buffers (this table's: "
+                f"{self.need:,.0f} bytes on every rank)"
+            )
         return (
             f"table {self.table!r} needs {self.need:,.0f} bytes of {self.tier.value} on a rank "
             f"at best and is {self.shortfall:,.0f} bytes short"
         )
+
+
+class _Miss(NamedTuple):
+    """Why an option does not fit: the tier, what it needs there, the shortfall."""
+
+    tier: Tier
+    need: float
+    shortfall: float
+    buffers: bool = False
 
 
 class PlannerError(ValueError):
@@ -208,9 +225,13 @@ def candidates(inputs: PlannerInputs, table: TableSpec) -> list[Option]:
     places: list[tuple[Tier, Tier | None, float]] = [(t, None, 0.0) for t in tiers]
     for slow, fast in zip(tiers[1:], tiers[:-1]):
         places += [(slow, fast, f) for f in _CACHE_FRACTIONS]
+    precisions = table.precisions
+    if table.placement is not None:  # the config fixes the tier: only the sharding is free
+        tier, cache, fraction, precision = option_of(table.placement, table, topo)
+        places, precisions = [(tier, cache, fraction)], (precision,)
     return [
         Option(sharding=s, blocks=k, tier=t, cache_tier=c, cache_fraction=f, precision=p)
-        for p in table.precisions
+        for p in precisions
         for s, k in kinds
         for t, c, f in places
         # a replica's rows sit in the fast tier, or in the next one with its hottest
@@ -315,8 +336,8 @@ class _Eval:
 
 def _evaluate(
     st: _Ranks, table: TableSpec, option: Option, order: int, later: float = 0.0
-) -> _Eval | tuple[Tier, float, float]:
-    """The best ranks for ``option`` and the score, or (tier, need, shortfall)."""
+) -> _Eval | _Miss:
+    """The best ranks for ``option`` and the score, or why it does not fit."""
     inputs = st.inputs
     pieces = _pieces(inputs, table, option)
     rows = max(p[0] for p in pieces)
@@ -329,7 +350,7 @@ def _evaluate(
     free = st.cap - st.mem - ubuf  # (3, W) after the uniform part
     if (free < 0).any():
         tier = TIER_ORDER[st.fast]
-        return tier, float(u.buffers), float(-free[st.fast].min())
+        return _Miss(tier, float(u.buffers), float(-free[st.fast].min()), buffers=True)
     fits: np.ndarray = np.asarray((free >= need).all(axis=0))
     groups = st.groups | option_groups(table, option)
     fixed = st.u_sec + u.seconds + st.dense + group_seconds(st.topo, groups)
@@ -373,19 +394,17 @@ def _evaluate(
     return _Eval(score=(score, added, order), ranks=chosen, cost=cost, uniform=u)
 
 
-def _short(
-    option: Option, need: np.ndarray, free: np.ndarray, k: int, fast: int
-) -> tuple[Tier, float, float]:
+def _short(option: Option, need: np.ndarray, free: np.ndarray, k: int, fast: int) -> _Miss:
     """The tier that blocks ``option`` and its shortfall on the k-th best rank."""
-    worst: tuple[Tier, float, float] | None = None
+    worst: _Miss | None = None
     for i, tier in enumerate((*TIER_ORDER, TIER_ORDER[fast])):
         if need[i, 0] <= 0:
             continue
         room = np.sort(free[i])[::-1]
         gap = float(need[i, 0] - room[min(k, len(room)) - 1])
-        if gap > 0 and (worst is None or gap > worst[2]):
-            worst = (tier, float(need[i, 0]), gap)
-    return worst if worst is not None else (option.tier, float(need.sum()), 0.0)
+        if gap > 0 and (worst is None or gap > worst.shortfall):
+            worst = _Miss(tier, float(need[i, 0]), gap)
+    return worst if worst is not None else _Miss(option.tier, float(need.sum()), 0.0)
 
 
 def _table_bytes(table: TableSpec) -> int:
@@ -412,7 +431,9 @@ def _reason(
         why = f"{head}: fastest of {n} fitting candidates"
     if option.precision is not table.precision:
         why += f"; {option.precision.value} rows instead of {table.precision.value}"
-    if option.tier is not fast or option.cache_tier is not None:
+    if table.placement is not None:
+        why += f"; rows in {option.placement()}, as model.placement says"
+    elif option.tier is not fast or option.cache_tier is not None:
         why += f"; rows in {option.placement()}"
     return why + f" (step bound after it: {best.score[0] * 1e3:.3g} ms)"
 
@@ -508,8 +529,16 @@ def _search(inputs: PlannerInputs, margin: float) -> tuple[ShardingPlan, tuple[T
             if pick is not None:
                 break
         if pick is None:
-            tier, need, gap = closest if closest is not None else (topo.fast_tier, 0.0, 0.0)
-            failures.append(Shortfall(table=table.name, tier=tier, need=need, shortfall=gap))
+            miss = closest if closest is not None else _Miss(topo.fast_tier, 0.0, 0.0)
+            failures.append(
+                Shortfall(
+                    table=table.name,
+                    tier=miss.tier,
+                    need=miss.need,
+                    shortfall=miss.shortfall,
+                    buffers=miss.buffers,
+                )
+            )
             continue
         won, won_opt = best_by_precision[pick], options_of[pick]
         assert won is not None
@@ -519,7 +548,7 @@ def _search(inputs: PlannerInputs, margin: float) -> tuple[ShardingPlan, tuple[T
         why = _reason(inputs, table, won, won_opt, tw_fast, fitting)
         chosen[table.name] = (won_opt, won, why, fitting)
     if failures:
-        raise PlannerError(failures, _hint(inputs))
+        raise PlannerError(failures, _hint(inputs, failures))
     st.keep_free(0.0)
     for _ in range(8):  # moves, then swaps, until neither helps
         before = float(st.times().max())
@@ -563,7 +592,7 @@ def _best_options(
     later: float,
     still: float,
     margin: float,
-) -> tuple[list[_Eval | None], list[Option | None], tuple[Tier, float, float] | None, int, object]:
+) -> tuple[list[_Eval | None], list[Option | None], _Miss | None, int, object]:
     """Per precision, the best fitting candidate of ``table``, and what the reason needs.
 
     Returns:
@@ -575,7 +604,7 @@ def _best_options(
     room = float((st.cap[:3] - st.mem[:3]).sum())
     best_by_precision: list[_Eval | None] = []
     options_of: list[Option | None] = []
-    closest: tuple[Tier, float, float] | None = None
+    closest: _Miss | None = None
     fitting = 0
     tw_fast: object = None
     for precision in table.precisions:
@@ -592,8 +621,8 @@ def _best_options(
                 and opt.cache_tier is None
             ):
                 tw_fast = ev
-            if isinstance(ev, tuple):
-                if closest is None or ev[2] < closest[2]:
+            if isinstance(ev, _Miss):
+                if closest is None or ev.shortfall < closest.shortfall:
                     closest = ev
                 continue
             fitting += 1
@@ -788,19 +817,37 @@ def _choice(
     return TableChoice(table=table.name, option=opt, shards=shards, reason=reason, candidates=n)
 
 
-def _hint(inputs: PlannerInputs) -> str:
+def _hint(inputs: PlannerInputs, failures: Sequence[Shortfall]) -> str:
     """What would make the model fit."""
     topo = inputs.topology
     total = sum(_table_bytes(t) for t in inputs.tables)
-    per_rank = sum(topo.rank.capacity(t) for t in topo.tiers)
-    ranks = math.ceil(total / per_rank) if per_rank else 0
+    # a shard lives in one tier of a rank: count ranks by the largest tier
+    largest = max((topo.rank.capacity(t) for t in topo.tiers), default=0.0)
+    ranks = math.ceil(total / largest) if largest else 0
     lower = sorted({p.value for t in inputs.tables for p in t.precisions})
-    parts = [
-        f"more ranks (the tables' weights and state, {_gb(total)}, need at least {ranks} "
-        f"ranks of {_gb(per_rank)}; this world has {topo.world_size})",
+    parts = []
+    buffers = [f for f in failures if f.buffers]
+    if buffers:
+        parts.append(
+            f"a smaller data.batch_size ({inputs.batch_size} now: the lookups' buffers in "
+            f"{buffers[0].tier.value} memory grow with it) or more {buffers[0].tier.value} "
+            "memory per rank"
+        )
+    if ranks > topo.world_size:
+        parts.append(
+            f"more ranks (the tables' weights and state, {_gb(total)}, need at least {ranks} "
+            f"ranks of {_gb(largest)} in one tier; this world has {topo.world_size})"
+        )
+    elif len(buffers) < len(failures):
+        parts.append(
+            f"more ranks, to cut the largest tables into smaller shards (the tables' "
+            f"{_gb(total)} would fit this world's {topo.world_size} ranks in total, but not "
+            "in the pieces a rank's tiers can hold)"
+        )
+    parts.append(
         f"a lower row precision (allowed now: {', '.join(lower)}; e.g. model.precision = "
-        "'fp16' or 'int8')",
-    ]
+        "'fp16' or 'int8')"
+    )
     if Tier.SSD not in topo.tiers:
         parts.append("the SSD tier (set [rank] ssd and ssd_bandwidth in the topology)")
     return "; ".join(parts)

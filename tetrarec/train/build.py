@@ -17,7 +17,7 @@ from torch import nn
 from tetrarec.config import EmbeddingKind, ModelConfig, RunConfig
 from tetrarec.embedding import EmbeddingBagCollection, SparseOptimizerSpec, TableConfig
 from tetrarec.models import DLRM, EmbeddingModule, build_model
-from tetrarec.sharding import ShardingEnv, ShardingPlan
+from tetrarec.sharding import ShardingEnv, ShardingPlan, TablePlacement
 from tetrarec.train.optim import build_dense_optimizer, build_sparse_optimizer
 from tetrarec.types import Placement, Precision
 
@@ -30,6 +30,7 @@ __all__ = [
     "build_parts",
     "build_tables",
     "embedding_optimizer",
+    "fixed_placements",
     "model_embeddings",
 ]
 
@@ -303,3 +304,17 @@ def _dense_to(model: DLRM, device: torch.device) -> None:
     for name, child in model.named_children():
         if name != "embeddings":
             child.to(device)
+
+
+def fixed_placements(model: ModelConfig) -> dict[str, TablePlacement]:
+    """The placements the config fixes: its ``cached`` and ``ssd`` tables, by name.
+
+    A sharded run keeps them whatever its plan says, at ``[model.cache]``'s fraction
+    (0 with a byte budget), and the planner plans them so.
+    """
+    fraction = model.cache.fraction or 0.0
+    return {
+        t.name: TablePlacement(placement=p, cache_fraction=fraction, precision=t.precision)
+        for t, p in zip(build_tables(model), model.table_placements, strict=True)
+        if p in (Placement.CACHED, Placement.SSD)
+    }

@@ -35,13 +35,17 @@ from tetrarec.planner import plan as make_planned
 from tetrarec.sharding import (
     ShardingEnv,
     ShardingPlan,
-    TablePlacement,
     check_ranks_agree,
     plan_by_type,
     shard_model,
 )
-from tetrarec.train.build import RunParts, build_parts, build_tables, model_embeddings
-from tetrarec.types import Placement
+from tetrarec.train.build import (
+    RunParts,
+    build_parts,
+    build_tables,
+    fixed_placements,
+    model_embeddings,
+)
 
 __all__ = ["make_plan", "run_datasets", "sharded_parts", "sharding_env"]
 
@@ -152,27 +156,11 @@ def _with_config_placements(config: RunConfig, plan: ShardingPlan) -> ShardingPl
     Each rank then caches its own shards, at ``[model.cache]``'s fraction (or its byte
     budget per rank); other tables keep the plan's placement.
     """
-    model = config.model
-    if not model.cached:
+    fixed = fixed_placements(config.model)
+    if not fixed:
         return plan
-    tables = build_tables(model)
-    wanted = {
-        t.name: (p, t.precision)
-        for t, p in zip(tables, model.table_placements)
-        if p in (Placement.CACHED, Placement.SSD)
-    }
-    fraction = model.cache.fraction or 0.0
     placed = tuple(
-        dataclasses.replace(
-            tp,
-            placement=TablePlacement(
-                placement=wanted[tp.table][0],
-                cache_fraction=fraction,
-                precision=wanted[tp.table][1],
-            ),
-        )
-        if tp.table in wanted
-        else tp
+        dataclasses.replace(tp, placement=fixed[tp.table]) if tp.table in fixed else tp
         for tp in plan
     )
     return dataclasses.replace(plan, tables=placed)

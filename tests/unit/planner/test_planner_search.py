@@ -115,6 +115,32 @@ def test_an_infeasible_model_names_table_tier_and_shortfall() -> None:
     assert "SSD" in message
 
 
+def test_the_infeasible_hint_agrees_with_its_own_figures() -> None:
+    """Bugs caught: "more ranks ... need at least 2 ranks; this world has 2" (the ranks
+    counted against every tier of a rank summed, though a shard lives in one), and a
+    table "needing" fewer bytes than it is short, when what misses room is the lookups'
+    buffers (they grow with the batch), not the table."""
+    # 3.78 MB of rows and state on 2 ranks of 1 MB device + 1 MB host: 4 MB in all, but
+    # no tier of a rank holds a half of the table
+    big = (TableSpec(name="B", rows=105_000, dim=8, features=("b",)),)
+    topology = _topology(local=2, device_memory=1e6, host_memory=1e6)
+    with pytest.raises(PlannerError) as info:
+        plan(_inputs(tables=big, topology=topology, batch_size=8))
+    message = str(info.value)
+    assert "more ranks (the tables' weights and state, 3.78 MB, need at least 4 ranks" in message
+    assert "this world has 2)" in message
+    # buffers: tiny tables, a fast tier too small for a batch of 4096 ids' buffers
+    small = (TableSpec(name="S", rows=10, dim=8, features=("s",)),)
+    with pytest.raises(PlannerError) as info:
+        plan(_inputs(tables=small, topology=_topology(local=2, device_memory=1e3, host_memory=1e3)))
+    err = info.value
+    assert err.shortfalls[0].buffers
+    assert "a rank's device memory is" in str(err)
+    assert "bytes short of the lookups' buffers" in str(err)
+    assert "a smaller data.batch_size (256 now" in str(err)
+    assert "more ranks" not in str(err)  # the tables are 10 rows: ranks would not help
+
+
 def test_a_table_too_big_for_one_rank_is_split_and_says_why() -> None:
     """Catches a reason that does not explain a split, or a split that was not needed."""
     big = TableSpec(name="big", rows=40_000, dim=64, features=("b",))  # 10 MB + state
@@ -295,3 +321,40 @@ def test_no_single_move_or_swap_of_table_wise_tables_lowers_the_step(seed: int) 
         for b in (tp for tp in tw if tp.shards[0].rank != worst):
             swap = {a.table: b.shards[0].rank, b.table: worst}
             assert moved(swap) >= best - 1e-12, ("swap", a.table, b.table)
+
+
+def test_a_placement_the_config_fixes_is_planned_so() -> None:
+    """``model.placement = "ssd"`` / ``"cached"`` tables: the planner chooses only their
+    sharding, and the report counts their rows where the run will keep them. The bug:
+    the planner placed them in the fast tier, so its memory and time described a plan
+    that never ran (the run moved them to the SSD afterwards)."""
+    from tetrarec.config import RunConfig
+    from tetrarec.planner import inputs_from_config
+    from tetrarec.types import Placement
+
+    config = RunConfig().with_overrides(
+        [
+            "model.num_sparse=4",
+            "model.num_embeddings=[1000, 300, 50, 7]",
+            "model.placement=[ssd, host, cached, host]",
+            "model.precision=int8",
+            "model.cache.fraction=0.05",
+        ]
+    )
+    topology = _topology(local=2, device_memory=1e9, host_memory=1e9, ssd=1e9, ssd_bandwidth=1e9)
+    inputs = inputs_from_config(config, topology)
+    fixed = {t.name: t.placement for t in inputs.tables}
+    assert fixed["C1"].placement is Placement.SSD
+    assert fixed["C3"].placement is Placement.CACHED
+    assert fixed["C2"] is None
+    for table in inputs.tables:
+        options = candidates(inputs, table)
+        if table.placement is not None:
+            assert {o.placement() for o in options} == {options[0].placement()}
+    sharding_plan, report = plan(inputs)
+    placed = {tp.table: tp.placement for tp in sharding_plan.tables}
+    assert placed["C1"] == fixed["C1"]
+    assert placed["C3"].placement is Placement.CACHED
+    assert placed["C3"].cache_fraction == 0.05
+    assert "as model.placement says" in next(t.reason for t in report.tables if t.table == "C1")
+    assert sum(r.memory["ssd"] for r in report.ranks) > 0
