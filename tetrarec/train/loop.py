@@ -220,6 +220,8 @@ def train(
             ``train.overwrite_checkpoints``).
     """
     launch = launch or LaunchInfo()
+    if config.train.json and Path(config.train.json).is_dir():
+        raise ValueError(f"train.json={config.train.json!r} is a directory; give a file path")
     if not resume:
         _clear_for_fresh_run(config.train, launch.rank)
     # A process group this call joins, it leaves; one its caller joined, it leaves alone.
@@ -349,6 +351,13 @@ class _Run:
         path = latest_checkpoint(root) if root else None
         if path is None:
             raise ValueError(f"resume: no checkpoint in train.checkpoint_dir={root!r}")
+        saved = read_meta(path).get("config", {}).get("data", {}).get("batch_size")
+        if saved is not None and saved != self.config.data.batch_size:
+            raise ValueError(
+                f"resume: {path} was trained with data.batch_size={saved}, this run has "
+                f"{self.config.data.batch_size}: its data position counts batches of {saved}, "
+                "so resume with that batch size (or start a new run)"
+            )
         self.step, position = load_run_state(path, self.parts)
         self.train_ds, self.eval_ds = restore_dense_transform(path, self.train_ds, self.eval_ds)
         if position != self.step:

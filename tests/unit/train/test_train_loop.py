@@ -150,6 +150,14 @@ def test_tensorboard_without_the_package_is_a_clear_error(tmp_path) -> None:
 def test_resume_without_checkpoint_and_bad_dense_width(tmp_path) -> None:
     with pytest.raises(ValueError, match="resume: no checkpoint"):
         train(tiny(tmp_path / "none", "train.steps=1"), resume=True)
+    # a resume at another batch size would start from the wrong row (the data position
+    # counts batches), silently
+    train(tiny(tmp_path / "b", "train.steps=2"))
+    with pytest.raises(ValueError, match=r"trained with data\.batch_size=32, this run has 16"):
+        train(tiny(tmp_path / "b", "train.steps=4", "data.batch_size=16"), resume=True)
+    # a summary path that is a directory fails before training, not after it
+    with pytest.raises(ValueError, match=r"train\.json=.* is a directory"):
+        train(tiny(tmp_path / "c", "train.steps=1", f"train.json={tmp_path}"))
     with pytest.raises(ValueError, match=r"13 dense features but model\.dlrm\.num_dense is 5"):
         train(tiny(tmp_path, "train.steps=1", "model.dlrm.num_dense=5"))
 
