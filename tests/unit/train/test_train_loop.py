@@ -147,7 +147,7 @@ def test_tensorboard_without_the_package_is_a_clear_error(tmp_path) -> None:
         train(tiny(tmp_path, "train.steps=1", f"train.tensorboard_dir={tmp_path}/tb"))
 
 
-def test_resume_without_checkpoint_and_bad_dense_width(tmp_path) -> None:
+def test_settings_that_cannot_work_fail_before_training(tmp_path) -> None:
     with pytest.raises(ValueError, match="resume: no checkpoint"):
         train(tiny(tmp_path / "none", "train.steps=1"), resume=True)
     # a resume at another batch size would start from the wrong row (the data position
@@ -158,6 +158,11 @@ def test_resume_without_checkpoint_and_bad_dense_width(tmp_path) -> None:
     # a summary path that is a directory fails before training, not after it
     with pytest.raises(ValueError, match=r"train\.json=.* is a directory"):
         train(tiny(tmp_path / "c", "train.steps=1", f"train.json={tmp_path}"))
+    (tmp_path / "afile").write_text("")  # once "[Errno 17] File exists", naming no key
+    with pytest.raises(ValueError, match=r"train\.checkpoint_dir=.*afile' is a file"):
+        train(tiny(tmp_path / "afile", "train.steps=1"))
+    with pytest.raises(ValueError, match=r"model\.cache\.dir=.*afile' is a file"):
+        train(tiny(tmp_path / "d", "train.steps=1", f"model.cache.dir={tmp_path / 'afile'}"))
     with pytest.raises(ValueError, match=r"13 dense features but model\.dlrm\.num_dense is 5"):
         train(tiny(tmp_path, "train.steps=1", "model.dlrm.num_dense=5"))
 
