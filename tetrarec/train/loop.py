@@ -220,14 +220,7 @@ def train(
             ``train.overwrite_checkpoints``).
     """
     launch = launch or LaunchInfo()
-    if config.train.json and Path(config.train.json).is_dir():
-        raise ValueError(f"train.json={config.train.json!r} is a directory; give a file path")
-    for key, where in (
-        ("train.checkpoint_dir", config.train.checkpoint_dir),
-        ("model.cache.dir", config.model.cache.dir),
-    ):
-        if where and Path(where).exists() and not Path(where).is_dir():
-            raise ValueError(f"{key}={where!r} is a file; give a directory")
+    _check_paths(config)
     if not resume:
         _clear_for_fresh_run(config.train, launch.rank)
     # A process group this call joins, it leaves; one its caller joined, it leaves alone.
@@ -246,6 +239,18 @@ def train(
             return run.run()
         finally:
             run.close()
+
+
+def _check_paths(config: RunConfig) -> None:
+    """Refuse, by their keys, paths the run could only fail on after training."""
+    if config.train.json and Path(config.train.json).is_dir():
+        raise ValueError(f"train.json={config.train.json!r} is a directory; give a file path")
+    for key, where in (
+        ("train.checkpoint_dir", config.train.checkpoint_dir),
+        ("model.cache.dir", config.model.cache.dir),
+    ):
+        if where and Path(where).exists() and not Path(where).is_dir():
+            raise ValueError(f"{key}={where!r} is a file; give a directory")
 
 
 def _clear_for_fresh_run(config: TrainConfig, rank: int) -> None:
