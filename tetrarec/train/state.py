@@ -188,8 +188,9 @@ def load_model_state(path: str | Path, model: torch.nn.Module) -> dict[str, Any]
     if "sharding" in data.meta:
         raise ValueError(
             f"{path} holds tables sharded over {data.meta['sharding']['world_size']} ranks; "
-            "loading it into one process is not supported yet (resharding is a later "
-            "feature): evaluate it in the sharded run (train.eval_every)"
+            "tetrarec eval cannot load a sharded checkpoint yet (in one process or under "
+            "torchrun): its evaluations are the sharded run's own (train.eval_every; the "
+            "summary's best and final metrics)"
         )
     _load_model(data, model, path)
     return data.meta

@@ -141,9 +141,9 @@ def test_a_sharded_checkpoint_in_one_process_is_a_clear_error(raises_exactly, tm
     path = save_run_state(tmp_path, parts_of(cfg), step=2, config=cfg, keep=1)
     edit_meta(path, sharding={"world_size": 2, "fingerprint": "0123abcd"})
     with raises_exactly(
-        f"{path} holds tables sharded over 2 ranks; loading it into one process is not "
-        "supported yet (resharding is a later feature): evaluate it in the sharded run "
-        "(train.eval_every)"
+        f"{path} holds tables sharded over 2 ranks; tetrarec eval cannot load a sharded "
+        "checkpoint yet (in one process or under torchrun): its evaluations are the "
+        "sharded run's own (train.eval_every; the summary's best and final metrics)"
     ):
         load_model_state(path, parts_of(cfg).model)
     refused = (
