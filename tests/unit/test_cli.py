@@ -282,12 +282,17 @@ def test_non_finite_loss_is_one_line_and_exit_1(capsys, tmp_path) -> None:
 
 
 def test_os_error_is_one_line_and_exit_1(capsys, tmp_path) -> None:
-    """A checkpoint directory that is a file: the OSError is reported, not a traceback."""
+    """A checkpoint directory inside a file: the OSError is reported, not a traceback.
+    (A checkpoint directory that is itself a file is a setting refused before
+    training, by its key, with exit 2.)"""
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    sets = _sets(*TINY, f"train.checkpoint_dir={blocker}", "train.checkpoint_every=1")
+    sets = _sets(*TINY, f"train.checkpoint_dir={blocker / 'ck'}", "train.checkpoint_every=1")
     assert main(["-q", "train", "--config", str(SYNTHETIC), *sets]) == 1
     assert str(blocker) in _one_line(capsys.readouterr().err)
+    sets = _sets(*TINY, f"train.checkpoint_dir={blocker}", "train.checkpoint_every=1")
+    assert main(["-q", "train", "--config", str(SYNTHETIC), *sets]) == 2
+    assert f"train.checkpoint_dir='{blocker}' is a file" in _one_line(capsys.readouterr().err)
 
 
 def test_damaged_checkpoint_is_one_line_and_exit_2(capsys, tmp_path) -> None:
