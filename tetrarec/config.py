@@ -306,7 +306,13 @@ class OptimConfig:
         if not 0.0 <= self.min_lr_scale <= 1.0:
             bad["min_lr_scale"] = self.min_lr_scale
         if bad:
-            raise ValueError(f"bad optim settings {bad} (decay needs decay_steps > 0)")
+            rules = {
+                "dense_eps": "dense_eps > 0",
+                "decay_steps": f"decay = {self.decay.value} needs decay_steps > 0",
+                "min_lr_scale": "min_lr_scale in [0, 1]",
+            }
+            why = "; ".join(dict.fromkeys(rules.get(k, f"{k} >= 0") for k in bad))
+            raise ValueError(f"bad optim settings {bad} ({why})")
 
 
 DEFAULT_STEPS = 1000  # train.steps when neither steps nor epochs is set

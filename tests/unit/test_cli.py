@@ -6,6 +6,7 @@ never a traceback.
 """
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -214,6 +215,29 @@ def test_bench_runs_in_the_callers_directory(tmp_path, monkeypatch, capfd) -> No
     assert main(["-q", "bench", "where", "--json", "out.json"]) == 0
     assert (user / "out.json").read_text() == str(user)
     assert not (tree / "out.json").exists()
+
+
+def test_eval_on_files_says_how_many_bad_lines_it_skipped(tmp_path, caplog) -> None:
+    """``tetrarec eval --data`` under ``on_bad_line = "skip"``: the skipped lines are
+    logged, as when training reads them (the bug: they were dropped without a word)."""
+    rows = [_criteo_line(i % 2, list(range(13)), list(range(26))) for i in range(40)]
+    raw = tmp_path / "day.tsv"
+    raw.write_text("\n".join(rows) + "\n")
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("\n".join([*rows[:10], rows[10].replace("0", "2", 1), *rows[11:]]) + "\n")
+    sets = [
+        *TINY,
+        "data.source=criteo",
+        f"data.train_path={raw}",
+        "data.on_bad_line=skip",
+        "model.num_sparse=26",
+        f"train.checkpoint_dir={tmp_path / 'ck'}",
+    ]
+    assert main(["-q", "train", "--config", str(SYNTHETIC), *_sets(*sets)]) == 0
+    ckpt = next((tmp_path / "ck").glob("step_*"))
+    with caplog.at_level(logging.WARNING, logger="tetrarec.data.build"):
+        assert evaluate_checkpoint(ckpt, data=[str(bad)]).num_samples == 39
+    assert f"{bad}: read 39 rows, skipped 1 bad lines (1 label is not 0 or 1)" in caplog.text
 
 
 # -- tetrarec's own errors: one line on stderr, the documented exit status -----------------

@@ -260,6 +260,11 @@ def test_train_steps_or_epochs() -> None:
         # numpy's seeding would refuse these later, in a message naming no setting
         (["train.seed=-1"], r"bad train settings \{'seed': -1\}"),
         (["train.seed=4294967296"], r"bad train settings \{'seed': 4294967296\}"),
+        # each bad optim setting with its own rule (every one said "decay needs
+        # decay_steps > 0")
+        (["optim.warmup_steps=-1"], r"\{'warmup_steps': -1\} \(warmup_steps >= 0\)$"),
+        (["optim.min_lr_scale=1.5"], r"\(min_lr_scale in \[0, 1\]\)$"),
+        (["optim.decay=cosine"], r"\(decay = cosine needs decay_steps > 0\)$"),
         # a Precision member the row kernels refuse: refused here, naming the key
         (["model.precision=fp8"], r"model\.precision 'fp8' is not a row precision; valid: fp32,"),
     ],

@@ -16,7 +16,7 @@ Typical use::
 """
 
 from tetrarec.data.binary import BinaryColumns, PreprocessSummary, open_binary, preprocess_criteo
-from tetrarec.data.build import LOADERS, build_datasets, dense_spec
+from tetrarec.data.build import LOADERS, build_datasets, dense_spec, log_bad_lines
 from tetrarec.data.config import (
     BadLinePolicy,
     CsvConfig,
@@ -80,6 +80,7 @@ __all__ = [
     "iter_criteo_blocks",
     "iter_csv_blocks",
     "iter_parquet_blocks",
+    "log_bad_lines",
     "open_binary",
     "preprocess_criteo",
     "preprocess_to_parquet",

@@ -278,10 +278,17 @@ def open_binary(path: str | Path) -> BinaryColumns:
 
     Raises:
         DataFileNotFoundError: if the directory or one of its files is missing.
-        DataError: if ``meta.json`` is not of this format and a readable version (1 or
-            2), or a column's shape disagrees with it.
+        DataError: if ``path`` is a file, or ``meta.json`` is not of this format and a
+            readable version (1 or 2), or a column's shape disagrees with it.
     """
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise DataError(
+            "data.source = 'binary' reads a directory written by tetrarec preprocess, and "
+            "this is a file (for raw rows set data.source to criteo, csv or parquet, or "
+            "preprocess it first)",
+            path=path,
+        )
     if not path.is_dir():
         raise DataFileNotFoundError(path, "preprocessed data directory")
     meta_path = path / "meta.json"

@@ -22,7 +22,7 @@ from tetrarec.data.parquet import ParquetDataset
 from tetrarec.data.synthetic import SyntheticDataset
 from tetrarec.embedding.config import TableConfig
 
-__all__ = ["LOADERS", "NATURAL_DENSE", "build_datasets", "dense_spec"]
+__all__ = ["LOADERS", "NATURAL_DENSE", "build_datasets", "dense_spec", "log_bad_lines"]
 
 logger = logging.getLogger(__name__)
 
@@ -210,15 +210,16 @@ def _raw_datasets(config: DataConfig, tables: Sequence[TableConfig]) -> tuple[Da
         return train, held_out
     load = LOADERS[DataSource(config.source)]
     base = load(config.train_path, config, tables)
-    _log_bad_lines(base, config.train_path)
+    log_bad_lines(base, config.train_path)
     if not config.eval_path:
         return _split_one_input(base, config)
     eval_base = load(config.eval_path, config, tables)
-    _log_bad_lines(eval_base, config.eval_path)
+    log_bad_lines(eval_base, config.eval_path)
     return _rows(base, config.train_rows), _rows(eval_base, config.eval_rows)
 
 
-def _log_bad_lines(dataset: Dataset, paths: tuple[str, ...]) -> None:
+def log_bad_lines(dataset: Dataset, paths: Sequence[str]) -> None:
+    """Warn with the summary of the lines ``dataset``'s reader skipped, if any."""
     bad = getattr(dataset, "bad_lines", None)
     if bad is not None and bad.skipped:
         logger.warning("%s: %s", ", ".join(paths), bad.summary())

@@ -68,6 +68,7 @@ _BLOCK_BYTES = 16 << 20
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _DENSE_RE = re.compile(rb" *-?[0-9]+ *")
 _HEX_RE = re.compile(rb"[0-9a-fA-F]{1,8}")
+_LONG_HEX_RE = re.compile(rb"[0-9a-fA-F]{9,}")
 
 # ASCII byte -> hex nibble, 255 for a byte that is not a hex digit.
 _NIBBLE = np.full(256, 255, dtype=np.uint8)
@@ -325,7 +326,9 @@ def _parse_line(line: bytes, path: Path, lineno: int) -> tuple[int, list[int], l
         elif _HEX_RE.fullmatch(value):
             sparse.append(int(value, 16))
         else:
-            raise bad(BadLineReason.CATEGORICAL_NOT_HEX, name, f"got {value[:30]!r}")
+            longer = _LONG_HEX_RE.fullmatch(value) is not None
+            note = ": hex, but over 8 digits (Criteo's ids are 32 bits)" if longer else ""
+            raise bad(BadLineReason.CATEGORICAL_NOT_HEX, name, f"got {value[:30]!r}{note}")
     return int(fields[0] == b"1"), dense, sparse
 
 

@@ -72,7 +72,7 @@ class BadLineReason(enum.StrEnum):
 
     FIELD_COUNT = "wrong number of fields"
     DENSE_NOT_INTEGER = "dense value is not an integer"
-    CATEGORICAL_NOT_HEX = "categorical value is not hex"
+    CATEGORICAL_NOT_HEX = "categorical value is not hex"  # of 1-8 digits
     LABEL_NOT_BINARY = "label is not 0 or 1"
     DENSE_NOT_NUMBER = "dense value is not a finite number"  # csv
     NOT_UTF8 = "value is not UTF-8 text"  # csv

@@ -20,6 +20,7 @@ from tetrarec.data import (
     TransformedDataset,
     build_datasets,
     dense_spec,
+    log_bad_lines,
 )
 from tetrarec.train.build import build_parts, build_tables
 from tetrarec.train.checkpoint import read_checkpoint
@@ -135,6 +136,7 @@ def evaluate_checkpoint(
             )
         # Only the given inputs are read (build_datasets would also load a train split).
         base = load(tuple(data), config.data, tables)
+        log_bad_lines(base, data)  # data.on_bad_line = "skip" drops lines: say how many
         rows = config.data.eval_rows
         raw = base if rows is None else RowRange(base, *rows)
         if saved is None:  # an older checkpoint: the source's default, no statistics

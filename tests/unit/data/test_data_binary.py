@@ -85,6 +85,9 @@ def test_open_binary_errors(tmp_path):
     with pytest.raises(DataFileNotFoundError):
         open_binary(tmp_path / "nothing")
     a = write(tmp_path / "a.tsv", [line(i) for i in range(5)])
+    # a raw file given to the binary source: it said "directory not found" of a file
+    with pytest.raises(DataError, match=r"a\.tsv: data\.source = 'binary' reads a directory"):
+        open_binary(a)
     out = tmp_path / "out"
     preprocess_criteo([a], out, progress=False)
     meta = json.loads((out / "meta.json").read_text())

@@ -135,6 +135,17 @@ def test_bad_line_names_file_line_field_or_is_counted(tmp_path, bad, field, reas
     assert "line 3" in summary.examples[0]
 
 
+def test_a_hex_id_over_8_digits_is_named_as_such(tmp_path):
+    """A 9-digit id is hex, just too long for Criteo's 32-bit ids: the message says so
+    (it read "not hex (got b'123456789')"), and "zz" keeps the plain message."""
+    p = write(tmp_path / "bad.tsv", [line(cats=["123456789"] + ["0"] * 25)])
+    with pytest.raises(DataError, match=r"\(got b'123456789': hex, but over 8 digits"):
+        read_criteo([p])
+    p = write(tmp_path / "zz.tsv", [line(cats=["zz"] + ["0"] * 25)])
+    with pytest.raises(DataError, match=r"categorical value is not hex \(got b'zz'\)$"):
+        read_criteo([p])
+
+
 def test_line_numbers_across_blocks(tmp_path, monkeypatch):
     monkeypatch.setattr(criteo_mod, "_BLOCK_BYTES", 1000)  # about 4 lines per block
     lines = [line() for _ in range(40)]
