@@ -265,6 +265,8 @@ def test_train_steps_or_epochs() -> None:
         (["optim.warmup_steps=-1"], r"\{'warmup_steps': -1\} \(warmup_steps >= 0\)$"),
         (["optim.min_lr_scale=1.5"], r"\(min_lr_scale in \[0, 1\]\)$"),
         (["optim.decay=cosine"], r"\(decay = cosine needs decay_steps > 0\)$"),
+        # the bad key by name, not the whole SparseOptimizerSpec(...) printed
+        (["optim.sparse.eps=0"], r"optim\.sparse: bad sparse optimizer settings \{'eps': 0\.0\}"),
         # a Precision member the row kernels refuse: refused here, naming the key
         (["model.precision=fp8"], r"model\.precision 'fp8' is not a row precision; valid: fp32,"),
     ],

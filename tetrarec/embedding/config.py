@@ -148,5 +148,16 @@ class SparseOptimizerSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", OptimizerKind.parse(self.kind))
-        if self.lr < 0 or self.eps <= 0 or self.weight_decay < 0:
-            raise ValueError(f"bad sparse optimizer settings: {self}")
+        bad = {
+            name: value
+            for name, value, ok in (
+                ("lr", self.lr, self.lr >= 0),
+                ("eps", self.eps, self.eps > 0),
+                ("weight_decay", self.weight_decay, self.weight_decay >= 0),
+            )
+            if not ok
+        }
+        if bad:
+            raise ValueError(
+                f"bad sparse optimizer settings {bad} (lr >= 0, eps > 0, weight_decay >= 0)"
+            )
