@@ -530,15 +530,7 @@ def _search(inputs: PlannerInputs, margin: float) -> tuple[ShardingPlan, tuple[T
                 break
         if pick is None:
             miss = closest if closest is not None else _Miss(topo.fast_tier, 0.0, 0.0)
-            failures.append(
-                Shortfall(
-                    table=table.name,
-                    tier=miss.tier,
-                    need=miss.need,
-                    shortfall=miss.shortfall,
-                    buffers=miss.buffers,
-                )
-            )
+            failures.append(Shortfall(table=table.name, **miss._asdict()))
             continue
         won, won_opt = best_by_precision[pick], options_of[pick]
         assert won is not None
