@@ -199,6 +199,14 @@ def load_model_state(path: str | Path, model: torch.nn.Module) -> dict[str, Any]
 def _load_model(data: CheckpointData, model: torch.nn.Module, path: str | Path) -> None:
     dense = _strip(data.tensors, "model.")
     emb = _strip(data.tensors, "embedding.")
+    held = model.get_submodule("embeddings").state_dict()
+    uncached = sorted({k.split(".")[1] for k in emb if k.startswith("cache.") and k not in held})
+    if uncached:
+        raise ValueError(
+            f"{path}: tables {', '.join(uncached[:5])} were saved cached (model.placement "
+            "cached or ssd, with their cache's state) and this run does not cache them: "
+            "give model.placement the checkpoint's value for them"
+        )
     try:
         result = model.load_state_dict(dense, strict=False)
         model.get_submodule("embeddings").load_state_dict(emb)

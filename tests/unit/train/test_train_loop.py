@@ -326,6 +326,19 @@ def test_keep_best_without_a_finite_metric_warns_and_links_nothing(tmp_path, cap
     assert any("no evaluation had a finite auc" in m for m in messages)
 
 
+def test_a_cached_checkpoint_into_an_uncached_model_is_refused_by_name(tmp_path) -> None:
+    """Evaluating (or resuming) a cached run's checkpoint with ``model.placement`` changed
+    to ``host``: one sentence naming the tables and the setting (it was torch's list of
+    "Unexpected key(s) ... cache.C1.counters ..." for every table)."""
+    cached = ["model.placement=cached", "model.cache.fraction=0.5", "train.steps=2"]
+    result = train(tiny(tmp_path / "ck", *cached))
+    assert evaluate_checkpoint(result.checkpoint) == result.final
+    with pytest.raises(ValueError, match=r"tables C1, C2, C3, C4 were saved cached") as e:
+        evaluate_checkpoint(result.checkpoint, overrides=["model.placement=host"])
+    assert "give model.placement the checkpoint's value" in str(e.value)
+    assert "Unexpected" not in str(e.value)
+
+
 def test_early_stop_after_exactly_patience_evaluations_without_improvement(tmp_path) -> None:
     """Bugs caught: stopping one evaluation early or late (the count of non-improving
     evaluations off by one, or not reset by an improvement), a second evaluation of the
