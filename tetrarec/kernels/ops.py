@@ -83,9 +83,8 @@ def _plain_eager_cpu(args: tuple[Any, ...]) -> bool:
 
     Only plain eager code qualifies: no ``torch.compile``/export tracing, no dispatch or
     ``__torch_function__`` mode (fake tensors, flop counters, ...), no ``torch.func``
-    transform (vmap, grad), every tensor (also
-    inside list or tuple arguments) a plain CPU tensor, and none needing a gradient. About 2 us
-    for the backward's 25 tensors.
+    transform (vmap, grad), every tensor (also inside list or tuple arguments) a plain
+    CPU tensor, and none needing a gradient. About 2 us for the backward's 25 tensors.
     """
     # Tracing first: dynamo folds it to True and never reaches the private hooks, which
     # it cannot trace (fullgraph=True failed on them), so a compiled graph keeps the op.

@@ -35,7 +35,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import NamedTuple
 
 import numpy as np
 
@@ -85,13 +84,17 @@ _MIN_BLOCK = 16
 
 @dataclass(frozen=True, kw_only=True)
 class Shortfall:
-    """A table that fits nowhere: the tier it came closest in and by how many bytes."""
+    """Why a table (or one of its candidates) does not fit: the tier, what it needs.
+
+    ``need`` is what it needs in ``tier`` on a rank, ``shortfall`` by how many bytes
+    the best rank misses it.
+    """
 
     table: str
     tier: Tier
     need: float
     shortfall: float
-    buffers: bool = False  # its lookup's buffers (every rank's), not its rows, miss room
+    buffers: bool = False  # the lookups' buffers (every rank's), not its rows, miss room
 
     def describe(self) -> str:
         """One line."""
@@ -105,15 +108,6 @@ class Shortfall:
             f"table {self.table!r} needs {self.need:,.0f} bytes of {self.tier.value} on a rank "
             f"at best and is {self.shortfall:,.0f} bytes short"
         )
-
-
-class _Miss(NamedTuple):
-    """Why an option does not fit: the tier, what it needs there, the shortfall."""
-
-    tier: Tier
-    need: float
-    shortfall: float
-    buffers: bool = False
 
 
 class PlannerError(ValueError):
@@ -336,7 +330,7 @@ class _Eval:
 
 def _evaluate(
     st: _Ranks, table: TableSpec, option: Option, order: int, later: float = 0.0
-) -> _Eval | _Miss:
+) -> _Eval | Shortfall:
     """The best ranks for ``option`` and the score, or why it does not fit."""
     inputs = st.inputs
     pieces = _pieces(inputs, table, option)
@@ -350,7 +344,10 @@ def _evaluate(
     free = st.cap - st.mem - ubuf  # (3, W) after the uniform part
     if (free < 0).any():
         tier = TIER_ORDER[st.fast]
-        return _Miss(tier, float(u.buffers), float(-free[st.fast].min()), buffers=True)
+        short = float(-free[st.fast].min())
+        return Shortfall(
+            table=table.name, tier=tier, need=float(u.buffers), shortfall=short, buffers=True
+        )
     fits: np.ndarray = np.asarray((free >= need).all(axis=0))
     groups = st.groups | option_groups(table, option)
     fixed = st.u_sec + u.seconds + st.dense + group_seconds(st.topo, groups)
@@ -368,12 +365,12 @@ def _evaluate(
     if s in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE):
         ok = np.flatnonzero(fits)
         if len(ok) < k:
-            return _short(option, need, free, k, st.fast)
+            return _short(table, option, need, free, k, st.fast)
         best = ok[np.argsort(t_p[ok], kind="stable")[:k]]
         chosen = tuple(sorted(int(r) for r in best))
     elif s in (ShardingType.ROW_WISE, ShardingType.DATA_PARALLEL):
         if not fits.all():
-            return _short(option, need, free, st.w, st.fast)
+            return _short(table, option, need, free, st.w, st.fast)
         chosen = tuple(range(st.w))
     else:  # one node
         best_node, best_max = -1, math.inf
@@ -384,7 +381,7 @@ def _evaluate(
                 if m < best_max:
                     best_node, best_max = n, m
         if best_node < 0:
-            return _short(option, need, free, local, st.fast)
+            return _short(table, option, need, free, local, st.fast)
         chosen = tuple(range(best_node * local, (best_node + 1) * local))
     idx = list(chosen)
     after = t_u.copy()
@@ -394,17 +391,21 @@ def _evaluate(
     return _Eval(score=(score, added, order), ranks=chosen, cost=cost, uniform=u)
 
 
-def _short(option: Option, need: np.ndarray, free: np.ndarray, k: int, fast: int) -> _Miss:
+def _short(
+    table: TableSpec, option: Option, need: np.ndarray, free: np.ndarray, k: int, fast: int
+) -> Shortfall:
     """The tier that blocks ``option`` and its shortfall on the k-th best rank."""
-    worst: _Miss | None = None
+    worst: Shortfall | None = None
     for i, tier in enumerate((*TIER_ORDER, TIER_ORDER[fast])):
         if need[i, 0] <= 0:
             continue
         room = np.sort(free[i])[::-1]
         gap = float(need[i, 0] - room[min(k, len(room)) - 1])
         if gap > 0 and (worst is None or gap > worst.shortfall):
-            worst = _Miss(tier, float(need[i, 0]), gap)
-    return worst if worst is not None else _Miss(option.tier, float(need.sum()), 0.0)
+            worst = Shortfall(table=table.name, tier=tier, need=float(need[i, 0]), shortfall=gap)
+    if worst is None:
+        worst = Shortfall(table=table.name, tier=option.tier, need=float(need.sum()), shortfall=0)
+    return worst
 
 
 def _table_bytes(table: TableSpec) -> int:
@@ -421,7 +422,7 @@ def _reason(
     """One line: why this candidate."""
     fast = inputs.topology.fast_tier
     head = f"{SHORT[option.sharding]}"
-    if isinstance(tw_fast, tuple):
+    if isinstance(tw_fast, Shortfall):
         cap = inputs.topology.rank.capacity(fast)
         why = (
             f"{head}: {_gb(_table_bytes(table))} does not fit one rank's free {fast.value} "
@@ -529,8 +530,9 @@ def _search(inputs: PlannerInputs, margin: float) -> tuple[ShardingPlan, tuple[T
             if pick is not None:
                 break
         if pick is None:
-            miss = closest if closest is not None else _Miss(topo.fast_tier, 0.0, 0.0)
-            failures.append(Shortfall(table=table.name, **miss._asdict()))
+            failures.append(
+                closest or Shortfall(table=table.name, tier=topo.fast_tier, need=0, shortfall=0)
+            )
             continue
         won, won_opt = best_by_precision[pick], options_of[pick]
         assert won is not None
@@ -584,7 +586,7 @@ def _best_options(
     later: float,
     still: float,
     margin: float,
-) -> tuple[list[_Eval | None], list[Option | None], _Miss | None, int, object]:
+) -> tuple[list[_Eval | None], list[Option | None], Shortfall | None, int, object]:
     """Per precision, the best fitting candidate of ``table``, and what the reason needs.
 
     Returns:
@@ -596,7 +598,7 @@ def _best_options(
     room = float((st.cap[:3] - st.mem[:3]).sum())
     best_by_precision: list[_Eval | None] = []
     options_of: list[Option | None] = []
-    closest: _Miss | None = None
+    closest: Shortfall | None = None
     fitting = 0
     tw_fast: object = None
     for precision in table.precisions:
@@ -613,7 +615,7 @@ def _best_options(
                 and opt.cache_tier is None
             ):
                 tw_fast = ev
-            if isinstance(ev, _Miss):
+            if isinstance(ev, Shortfall):
                 if closest is None or ev.shortfall < closest.shortfall:
                     closest = ev
                 continue

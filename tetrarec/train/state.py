@@ -199,8 +199,9 @@ def load_model_state(path: str | Path, model: torch.nn.Module) -> dict[str, Any]
 def _load_model(data: CheckpointData, model: torch.nn.Module, path: str | Path) -> None:
     dense = _strip(data.tensors, "model.")
     emb = _strip(data.tensors, "embedding.")
-    held = model.get_submodule("embeddings").state_dict()
-    uncached = sorted({k.split(".")[1] for k in emb if k.startswith("cache.") and k not in held})
+    saved_cached = {k for k in emb if k.startswith("cache.")}
+    held = model.get_submodule("embeddings").state_dict() if saved_cached else {}
+    uncached = sorted({k.split(".")[1] for k in saved_cached if k not in held})
     if uncached:
         raise ValueError(
             f"{path}: tables {', '.join(uncached[:5])} were saved cached (model.placement "
