@@ -267,6 +267,12 @@ def test_train_steps_or_epochs() -> None:
         (["optim.decay=cosine"], r"\(decay = cosine needs decay_steps > 0\)$"),
         # the bad key by name, not the whole SparseOptimizerSpec(...) printed
         (["optim.sparse.eps=0"], r"optim\.sparse: bad sparse optimizer settings \{'eps': 0\.0\}"),
+        # Adam's betas outside [0, 1) and an infinite lr were accepted (NaN rows later)
+        (
+            ["optim.sparse.beta1=1.5"],
+            r"bad sparse optimizer settings \{'betas': \(1\.5, 0\.999\)\}",
+        ),
+        (["optim.sparse.lr=inf"], r"bad sparse optimizer settings \{'lr': inf\}"),
         # a Precision member the row kernels refuse: refused here, naming the key
         (["model.precision=fp8"], r"model\.precision 'fp8' is not a row precision; valid: fp32,"),
     ],

@@ -728,12 +728,14 @@ class CachedEmbeddingBagCollection(nn.Module):
         """``{table: (rows, dim) FP32}``: the backing rows, cached rows from the cache.
 
         On the host (cached rows copied from the device), but for ``device`` tables,
-        whose rows stay on the device.
+        whose rows stay on the device. Copies: writing to one changes nothing.
         """
         out = {}
         for i, t in enumerate(self.tables):
             backing, k = self._backing(i)
             w = decode_rows(backing._table_rows(k), t.precision, t.dim)
+            if t.precision is Precision.FP32:  # decoded FP32 rows are the store itself
+                w = w.clone()
             c = self._caches.get(i)
             if c is not None and c.capacity:
                 slots = c.occupied()
@@ -764,18 +766,30 @@ class CachedEmbeddingBagCollection(nn.Module):
         """Copy ``state`` (``optimizer_state``'s form) into backing stores and slots, bitwise.
 
         Raises:
-            ValueError: for missing or unexpected tables or names, or another shape.
+            ValueError: for missing or unexpected tables or names, or another shape;
+                raised before anything is copied.
+        """
+        self.check_optimizer_state(state)
+        for module in self._backing_modules():
+            module.load_optimizer_state({t.name: state[t.name] for t in module.tables})
+        self._refresh_cached_state()
+
+    def check_optimizer_state(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Check that ``state`` fits this module, copying nothing.
+
+        Raises:
+            ValueError: as ``load_optimizer_state``.
         """
         names = {t.name for t in self.tables}
         if set(state) != names:
             raise ValueError(
                 f"optimizer state for tables {sorted(state)}, this module has {sorted(names)}"
             )
-        for part in self._parts:
-            if part.kind != CACHE:
-                mine = {t.name for t in part.module.tables}
-                part.module.load_optimizer_state({n: state[n] for n in mine})
-        self._refresh_cached_state()
+        for module in self._backing_modules():
+            module.check_optimizer_state({t.name: state[t.name] for t in module.tables})
+
+    def _backing_modules(self) -> list[FusedEmbeddingBagCollection]:
+        return [p.module for p in self._parts if p.kind != CACHE]
 
     # -- state dict (checkpoint.py) ------------------------------------------------------
 

@@ -104,7 +104,11 @@ class EmbeddingBagCollection(nn.Module):
         return PooledEmbeddings(self.feature_names, self.feature_dims, torch.cat(outs, dim=1))
 
     def table_weights(self) -> dict[str, torch.Tensor]:
-        """``{table name: (rows, dim) weight}``, the layout checkpoints use."""
+        """``{table name: (rows, dim) weight}``, the layout checkpoints use.
+
+        The parameters themselves (their ``.grad`` is the tables' sparse gradient); the
+        fused and cached collections, whose rows are not parameters, return copies.
+        """
         return {t.name: self._weight(t.name) for t in self.tables}
 
     def sparse_parameters(self) -> list[nn.Parameter]:

@@ -5,10 +5,18 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from tetrarec.types import OptimizerKind, PoolingMode, Precision
 
-__all__ = ["SparseOptimizerSpec", "TableConfig", "TableSlice", "feature_order"]
+__all__ = [
+    "SPARSE_HPARAM_RULES",
+    "SparseOptimizerSpec",
+    "TableConfig",
+    "TableSlice",
+    "bad_sparse_hparams",
+    "feature_order",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,7 +35,8 @@ class TableConfig:
             ``1/sqrt(num_embeddings)`` as in the DLRM reference.
 
     Raises:
-        ValueError: on a non-positive size or an empty name.
+        ValueError: on a non-positive size, an empty name, or an ``init_bound`` that is
+            negative, not finite, or past FP16's range for an FP16 table.
     """
 
     name: str
@@ -55,6 +64,14 @@ class TableConfig:
             object.__setattr__(self, "feature_names", tuple(self.feature_names))
         object.__setattr__(self, "pooling", PoolingMode.parse(self.pooling))
         object.__setattr__(self, "precision", Precision.parse(self.precision))
+        if self.init_bound is not None:
+            # FP16 rows start rounded to nearest: past its largest value they would be inf.
+            top = 65504.0 if self.precision is Precision.FP16 else math.inf
+            if not 0 <= self.init_bound < math.inf or self.init_bound > top:
+                raise ValueError(
+                    f"table {self.name!r}: init_bound must be finite, >= 0 and, for FP16 "
+                    f"rows, <= 65504; got {self.init_bound}"
+                )
 
     @property
     def bound(self) -> float:
@@ -148,16 +165,41 @@ class SparseOptimizerSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", OptimizerKind.parse(self.kind))
-        bad = {
-            name: value
-            for name, value, ok in (
-                ("lr", self.lr, self.lr >= 0),
-                ("eps", self.eps, self.eps > 0),
-                ("weight_decay", self.weight_decay, self.weight_decay >= 0),
-            )
-            if not ok
-        }
+        bad = bad_sparse_hparams(
+            lr=self.lr,
+            eps=self.eps,
+            betas=(self.beta1, self.beta2),
+            weight_decay=self.weight_decay,
+            initial_accumulator=self.initial_accumulator,
+        )
         if bad:
-            raise ValueError(
-                f"bad sparse optimizer settings {bad} (lr >= 0, eps > 0, weight_decay >= 0)"
-            )
+            raise ValueError(f"bad sparse optimizer settings {bad} ({SPARSE_HPARAM_RULES})")
+
+
+#: What ``bad_sparse_hparams`` checks, for messages.
+SPARSE_HPARAM_RULES = (
+    "lr >= 0, eps > 0, weight_decay >= 0, initial_accumulator >= 0, all finite; 0 <= betas < 1"
+)
+
+
+def bad_sparse_hparams(
+    *,
+    lr: float,
+    eps: float,
+    betas: tuple[float, float],
+    weight_decay: float,
+    initial_accumulator: float = 0.0,
+) -> dict[str, Any]:
+    """The settings that break ``SPARSE_HPARAM_RULES``, by name (empty when all hold).
+
+    Written so that NaN fails every rule (``nan >= 0`` is false), and infinity the
+    finite ones: either would write NaN or infinity into every row a step touches.
+    """
+    checks: tuple[tuple[str, Any, bool], ...] = (
+        ("lr", lr, 0 <= lr < math.inf),
+        ("eps", eps, 0 < eps < math.inf),
+        ("weight_decay", weight_decay, 0 <= weight_decay < math.inf),
+        ("initial_accumulator", initial_accumulator, 0 <= initial_accumulator < math.inf),
+        ("betas", betas, all(0 <= b < 1 for b in betas)),
+    )
+    return {name: value for name, value, ok in checks if not ok}

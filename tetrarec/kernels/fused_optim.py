@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from tetrarec.embedding import SparseOptimizerSpec
+from tetrarec.embedding.config import SPARSE_HPARAM_RULES, bad_sparse_hparams
 from tetrarec.types import OptimizerKind
 
 __all__ = ["FusedOptimizer", "FusedState"]
@@ -82,17 +83,40 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.kind: OptimizerKind = spec.kind
         self._owner = owner
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.optim pickles only defaults, state and param_groups: the kind and the
+        # owner are what this optimizer is, and a deepcopy or pickle of its module (a
+        # "best model" copy, torch.save of the model) must keep them.
+        return {**super().__getstate__(), "kind": self.kind, "_owner": self._owner}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused after construction: the module reads ``param_groups[0]`` only.
+
+        Raises:
+            ValueError: for a second group (it would be silently ignored).
+        """
+        if self.param_groups:  # torch.optim's __init__ adds the one group through here
+            raise ValueError(
+                "a fused optimizer has one param group (the module's tables, updated in "
+                "backward with param_groups[0]'s settings); set those instead"
+            )
+        super().add_param_group(param_group)
+
     def kernel_hparams(self) -> list[float]:
         """``[lr, eps, beta1, beta2, weight_decay]`` for the next backward.
 
         Raises:
-            ValueError: on a negative learning rate or weight decay, or eps <= 0.
+            ValueError: naming the settings of ``param_groups[0]`` that break
+                ``SPARSE_HPARAM_RULES`` (a NaN or infinite one among them): a scheduler
+                or a hand edit that sets one would write NaN or infinity into every
+                row the step touches.
         """
         g = self.param_groups[0]
         lr, eps, wd = float(g["lr"]), float(g["eps"]), float(g["weight_decay"])
-        if lr < 0 or eps <= 0 or wd < 0:
-            raise ValueError(f"fused optimizer: bad settings lr={lr} eps={eps} weight_decay={wd}")
         beta1, beta2 = (float(b) for b in g["betas"])
+        bad = bad_sparse_hparams(lr=lr, eps=eps, betas=(beta1, beta2), weight_decay=wd)
+        if bad:
+            raise ValueError(f"fused optimizer: bad settings {bad} ({SPARSE_HPARAM_RULES})")
         return [lr, eps, beta1, beta2, wd]
 
     @torch.no_grad()

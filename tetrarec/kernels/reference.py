@@ -81,12 +81,19 @@ def _check_batch(
     ``width`` is the number of columns of ``what`` (the output or the gradient).
 
     Raises:
-        RuntimeError: for lengths of another count than ``F * batch``, fewer columns than
-            the store's features need, or fewer ids (or per-id weights) than the lengths
-            add up to.
+        RuntimeError: for a negative length, lengths of another count than ``F * batch``,
+            fewer columns than the store's features need, or fewer ids (or per-id
+            weights) than the lengths add up to.
     """
     dims, feat_table, feat_cols = meta[1], meta[4], meta[5]
     features, n_lengths = len(feat_table), offsets.numel() - 1  # offsets: (lengths + 1,)
+    negative = (offsets[1:] < offsets[:-1]).nonzero()
+    if negative.numel():
+        i = int(negative[0])
+        raise RuntimeError(
+            f"tetrarec tbe: bag length {i} is {int(offsets[i + 1] - offsets[i])} "
+            "(lengths must be >= 0)"
+        )
     if n_lengths != features * batch:
         raise RuntimeError(
             f"tetrarec tbe {where}: lengths must have F*B = {features}*{batch} entries, "
@@ -98,11 +105,11 @@ def _check_batch(
             f"tetrarec tbe {where}: {what} has {width} columns, the features need {cols}"
         )
     ids = int(offsets[-1])
-    if ids > values.numel():
+    if ids != values.numel():
         raise RuntimeError(
             f"tetrarec tbe {where}: the lengths add up to {ids} ids, values holds {values.numel()}"
         )
-    if psw is not None and ids > psw.numel():
+    if psw is not None and ids != psw.numel():
         raise RuntimeError(
             f"tetrarec tbe {where}: the lengths add up to {ids} ids, the per-id weights hold "
             f"{psw.numel()}"

@@ -56,7 +56,7 @@ from tetrarec.kernels.memory import host_buffer
 from tetrarec.kernels.optim_rules import state_layout
 from tetrarec.kernels.quant import decode_rows, encode_rows, row_width
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures, permute_keys
-from tetrarec.types import PoolingMode
+from tetrarec.types import PoolingMode, Precision
 
 __all__ = ["FusedEmbeddingBagCollection"]
 
@@ -95,22 +95,43 @@ def load_table_rows(
 ) -> None:
     """Copy each ``state_dict[key]`` into ``expected[key]`` (a table's row view, in place).
 
-    A key absent from ``state_dict`` goes to ``missing_keys``; a tensor of another size or
+    A key absent from ``state_dict`` goes to ``missing_keys``; a tensor of another shape or
     dtype to ``error_msgs`` (``nn.Module._load_from_state_dict``'s protocol).
+
+    Packed rows do not record their precision: an INT8 table of dim 4 and an INT4 table
+    of dim 8 both store ``(rows, 8)`` uint8, so such a pair passes this check. Load rows
+    into the tables they were saved from (tetrarec's checkpoints record the config).
     """
     for key, dst in expected.items():
         if key not in state_dict:
             missing_keys.append(key)
             continue
         src = state_dict[key]
-        if src.numel() != dst.numel() or src.dtype != dst.dtype:
+        if src.shape != dst.shape or src.dtype != dst.dtype:
             error_msgs.append(
                 f"{key}: expected {tuple(dst.shape)} {dst.dtype}, "
                 f"got {tuple(src.shape)} {src.dtype}"
             )
             continue
         with torch.no_grad():
-            dst.copy_(src.reshape(dst.shape))
+            dst.copy_(src)
+
+
+def _keeping_dtype(fn: Any) -> Any:
+    """``fn`` (a tensor conversion of ``nn.Module._apply``) without its change of dtype.
+
+    ``fn`` is tried on an empty tensor first, so a cast never converts (or copies) a
+    table to learn where it goes.
+    """
+
+    def apply(t: torch.Tensor) -> torch.Tensor:
+        probe = torch.empty(0, dtype=t.dtype, device=t.device)
+        moved = fn(probe)
+        if moved is probe or moved.dtype == t.dtype:
+            return fn(t)  # type: ignore[no-any-return]  # fn is torch's converter
+        return t.to(moved.device)
+
+    return apply
 
 
 class FusedEmbeddingBagCollection(nn.Module):
@@ -127,7 +148,9 @@ class FusedEmbeddingBagCollection(nn.Module):
             next update.
         check_bounds: raise ``ValueError`` naming the feature, id and table size for an
             id outside its table (default). ``False`` skips the check for speed; an
-            out-of-range id is then undefined behaviour (never clamped or zeroed).
+            out-of-range id is then undefined behaviour (never clamped or zeroed): the
+            backward refuses it before updating its row store, but the stores of other
+            precisions (one per precision) may already have been updated.
         deterministic: bitwise-identical results across runs and thread counts. The
             compiled CPU kernel always sums duplicates in a fixed order (it costs
             nothing there); this switch selects between a stable sort and
@@ -137,7 +160,9 @@ class FusedEmbeddingBagCollection(nn.Module):
         seed: seeds the initial weights (``init_rows``: the same rows as
             ``EmbeddingBagCollection(tables, seed=seed)``) and the stochastic rounding
             streams; ``None`` draws one from the global torch RNG.
-        device: where the rows live (default CPU).
+        device: where the rows live (default CPU). ``.to(device)`` moves them; dtype
+            casts of the module (``.half()``, ``.to(torch.float64)``) leave the rows at
+            ``precision`` and the optimizer state in FP32.
         slices: for a shard, where each table sits in its global table (default: each
             table is a whole table). Initial rows and rounding follow the global cells.
 
@@ -199,6 +224,19 @@ class FusedEmbeddingBagCollection(nn.Module):
         #: backward reads. A sharded collection replaces it by its own, shared by all
         #: of its local modules.
         self.fused_optimizer: FusedOptimizer = FusedOptimizer(optimizer, self)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> FusedEmbeddingBagCollection:
+        """``nn.Module``'s conversions, with every row store and state at its own dtype.
+
+        Moves (``.to(device)``, ``.cpu()``, ``to_empty``, ``share_memory``) apply; casts
+        (``.half()``, ``.double()``, ``.to(dtype)`` of a model holding this module) leave
+        the rows at their configured precision and the optimizer state in FP32, which
+        the kernels need, instead of converting them and failing at the next step.
+        """
+        moved: FusedEmbeddingBagCollection = super()._apply(  # type: ignore[no-untyped-call]  # torch leaves _apply unannotated
+            _keeping_dtype(fn), recurse
+        )
+        return moved
 
     # -- layout helpers -----------------------------------------------------------------
 
@@ -310,7 +348,13 @@ class FusedEmbeddingBagCollection(nn.Module):
                 self._storage(s), self._meta(s), values, lengths, None, scratch,
                 store.precision.value, True,
             )  # fmt: skip
-            self._raise_if_bad(bad, note=" (found in backward: check_bounds is off)")
+            self._raise_if_bad(
+                bad,
+                note=" (found in backward: check_bounds is off; tables of other precisions "
+                "may already have taken this step)"
+                if len(self._stores) > 1
+                else " (found in backward: check_bounds is off)",
+            )
 
     def _meta(self, s: int) -> list[torch.Tensor]:
         return self._cached_meta(s)[0]
@@ -452,10 +496,15 @@ class FusedEmbeddingBagCollection(nn.Module):
         return rows, share
 
     def table_weights(self) -> dict[str, torch.Tensor]:
-        """``{table name: (rows, dim) FP32}``, dequantized for low-precision tables."""
+        """``{table name: (rows, dim) FP32}``, dequantized for low-precision tables.
+
+        Copies at every precision: writing to one changes nothing, and a snapshot taken
+        before a step stays as it was.
+        """
         out = {}
         for i, t in enumerate(self.tables):
-            out[t.name] = decode_rows(self._table_rows(i), t.precision, t.dim)
+            w = decode_rows(self._table_rows(i), t.precision, t.dim)
+            out[t.name] = w.clone() if t.precision is Precision.FP32 else w  # else: new
         return out
 
     # -- the fused optimizer's state (FusedState) -------------------------------------------
@@ -481,7 +530,22 @@ class FusedEmbeddingBagCollection(nn.Module):
         """Copy ``state`` (as ``optimizer_state`` returns it) into the module, bitwise.
 
         Raises:
-            ValueError: for missing or unexpected tables or names, or another shape.
+            ValueError: for missing or unexpected tables or names, or another shape;
+                raised before anything is copied (a refused load changes nothing).
+        """
+        mine = self.check_optimizer_state(state)
+        with torch.no_grad():
+            for table, names in mine.items():
+                for name, dst in names.items():
+                    dst.copy_(state[table][name])
+
+    def check_optimizer_state(
+        self, state: Mapping[str, Mapping[str, torch.Tensor]]
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """Check that ``state`` fits this module; return the views it would be copied into.
+
+        Raises:
+            ValueError: as ``load_optimizer_state``.
         """
         mine = self.optimizer_state()
         if set(state) != set(mine):
@@ -495,14 +559,12 @@ class FusedEmbeddingBagCollection(nn.Module):
                     f"table {table!r}: optimizer state {sorted(given)}, expected {sorted(names)}"
                 )
             for name, dst in names.items():
-                src = given[name]
-                if src.shape != dst.shape:
+                if given[name].shape != dst.shape:
                     raise ValueError(
                         f"table {table!r} state {name!r}: expected {tuple(dst.shape)}, "
-                        f"got {tuple(src.shape)}"
+                        f"got {tuple(given[name].shape)}"
                     )
-                with torch.no_grad():
-                    dst.copy_(src)
+        return mine
 
     # -- state dict -----------------------------------------------------------------------
 

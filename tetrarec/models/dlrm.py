@@ -232,7 +232,17 @@ class DLRM(nn.Module):
 
         Returns:
             ``(B,)`` FP32 logits.
+
+        Raises:
+            ValueError: for ``dense`` of another width than ``config.num_dense``, or
+                another batch size than ``sparse``'s (before any lookup starts).
         """
+        if dense.dim() != 2 or dense.shape != (sparse.batch_size, self.config.num_dense):
+            raise ValueError(
+                f"dense features {tuple(dense.shape)}: expected (batch, num_dense) = "
+                f"({sparse.batch_size}, {self.config.num_dense}) (the sparse features' batch "
+                "size, and the model's num_dense)"
+            )
         with record_function("tetrarec/embeddings"):
             if isinstance(self.embeddings, StartsPooling):  # e.g. sharded: rows in flight
                 pending: PendingPooling = self.embeddings.start(sparse)

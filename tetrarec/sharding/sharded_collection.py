@@ -232,7 +232,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """Copy ``state`` (as ``optimizer_state`` returns it) into the local kernels.
 
         Raises:
-            ValueError: for missing or unexpected local tables, or other shapes.
+            ValueError: for missing or unexpected local tables, or other shapes; raised
+                before anything is copied.
         """
         mine = self.optimizer_state()
         if set(state) != set(mine):
@@ -240,5 +241,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 f"rank {self.env.rank}: optimizer state for {sorted(state)}, this rank holds "
                 f"{sorted(mine)}"
             )
-        for local in self._locals():
-            local.load_optimizer_state({t.name: state[t.name] for t in local.tables})
+        given = [(local, {t.name: state[t.name] for t in local.tables}) for local in self._locals()]
+        for local, part in given:
+            local.check_optimizer_state(part)
+        for local, part in given:
+            local.load_optimizer_state(part)

@@ -51,6 +51,9 @@ class SparseFeatures:
         value_counts: optional host cache of the number of ids per key; loaders fill it
             for free so that nobody has to sync to learn it.
 
+    ``values``, ``lengths`` and ``weights`` are stored contiguous (a strided tensor is
+    copied).
+
     Raises:
         ValueError: on inconsistent shapes or dtypes (no device sync is done here;
             data-dependent checks live in ``tetrarec.sparse.validate``).
@@ -64,6 +67,12 @@ class SparseFeatures:
     value_counts: tuple[int, ...] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        # The kernels read flat arrays: a strided view (a slice with a step, a column of a
+        # 2-D tensor) is copied once here, a contiguous tensor is kept as it is.
+        for name in ("values", "lengths", "weights"):
+            t = getattr(self, name)
+            if t is not None and not t.is_contiguous():
+                object.__setattr__(self, name, t.contiguous())
         if len(set(self.keys)) != len(self.keys):
             raise ValueError(f"duplicate feature keys in {self.keys}")
         if self.values.dim() != 1 or self.values.dtype not in _ID_DTYPES:

@@ -2,9 +2,13 @@
 
 Tensor names in ``tensors.safetensors``::
 
-    model.<name>              dense layers (``model.state_dict()`` minus the embeddings)
-    embedding.<name>          ``model.embeddings.state_dict()`` (a fused module's state
-                              dict includes its optimizer state)
+    model.<name>              dense layers (``model.state_dict()`` minus the embeddings);
+                              with a first-order term, its per-row weights and their
+                              Adagrad sums too (``first_order.*``: a small fused module
+                              whose state dict holds its own optimizer state)
+    embedding.<name>          ``model.embeddings.state_dict()``: the rows and the
+                              rounding stream (a fused module's optimizer state is in
+                              ``sparse_optim``, below)
     dense_optim.<i>.<name>    dense optimizer state per parameter index
     sparse_optim.<k>.<name>   the tables' optimizer state: ``<k>`` is the table name for a
                               fused module's optimizer, the parameter index for the

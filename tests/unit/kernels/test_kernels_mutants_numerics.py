@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tetrarec.embedding import SparseOptimizerSpec, TableConfig, TableSlice
+from tetrarec.embedding.config import SPARSE_HPARAM_RULES
 from tetrarec.kernels import (
     FusedEmbeddingBagCollection,
     FusedOptimizer,
@@ -894,25 +895,35 @@ def test_kernel_hparams_reads_the_group_and_refuses_each_bad_setting(raises_exac
     """``[lr, eps, beta1, beta2, weight_decay]`` from the group as it is now; a learning
     rate of 0 (a warm-up starts there) and no weight decay are allowed; a negative
     learning rate, an eps of 0 or below, or a negative weight decay, each alone, is
-    refused with the exact message.
+    refused with the exact message; so is a NaN or infinite setting, and a beta
+    outside [0, 1).
 
     Bugs caught: ``or`` made ``and`` (a bad setting passing when another is good), lr 0
     or weight decay 0 refused, eps 0 accepted (Adagrad would divide by zero), an empty
-    message.
+    message; a NaN learning rate (from a scheduler) accepted because ``nan < 0`` is
+    false, which wrote NaN into every touched row; Adam's beta 1.5 accepted.
     """
     opt = _adam_collection().fused_optimizer
     group = opt.param_groups[0]
     group.update(lr=0.0, weight_decay=0.0, betas=(0.5, 0.625))
     assert opt.kernel_hparams() == [0.0, 1e-6, 0.5, 0.625, 0.0]
-    for key, bad, message in [
-        ("lr", -0.5, "lr=-0.5 eps=1e-06 weight_decay=0.0"),
-        ("eps", 0.0, "lr=0.0 eps=0.0 weight_decay=0.0"),
-        ("eps", -1.0, "lr=0.0 eps=-1.0 weight_decay=0.0"),
-        ("weight_decay", -0.5, "lr=0.0 eps=1e-06 weight_decay=-0.5"),
+    nan, inf = float("nan"), float("inf")
+    for key, bad, named in [
+        ("lr", -0.5, "{'lr': -0.5}"),
+        ("eps", 0.0, "{'eps': 0.0}"),
+        ("eps", -1.0, "{'eps': -1.0}"),
+        ("weight_decay", -0.5, "{'weight_decay': -0.5}"),
+        ("lr", nan, "{'lr': nan}"),
+        ("lr", inf, "{'lr': inf}"),
+        ("eps", nan, "{'eps': nan}"),
+        ("weight_decay", nan, "{'weight_decay': nan}"),
+        ("betas", (1.5, 0.625), "{'betas': (1.5, 0.625)}"),
+        ("betas", (0.5, nan), "{'betas': (0.5, nan)}"),
+        ("betas", (-0.1, 0.625), "{'betas': (-0.1, 0.625)}"),
     ]:
         good = group[key]
         group[key] = bad
-        with raises_exactly(f"fused optimizer: bad settings {message}"):
+        with raises_exactly(f"fused optimizer: bad settings {named} ({SPARSE_HPARAM_RULES})"):
             opt.kernel_hparams()
         group[key] = good
 

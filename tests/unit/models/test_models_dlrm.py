@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -64,6 +65,25 @@ def test_models_output_shapes(arch: str) -> None:
     expected_inter = D + F * (F + 1) // 2 if arch == "dlrm" else (F + 1) * D
     assert model.inter_arch.out_features == expected_inter
     assert model.over_arch.layers[0].in_features == expected_inter
+
+
+@pytest.mark.parametrize(
+    ("num_dense", "shape"),
+    [(0, (B, 3)), (5, (B, 4)), (5, (B + 1, 5)), (5, (B,))],
+    ids=["dense-given-to-a-model-without", "narrow", "another-batch", "1-d"],
+)
+def test_models_refuse_dense_features_off_the_config(
+    num_dense: int, shape: tuple[int, ...]
+) -> None:
+    """With ``num_dense = 0`` real dense features were silently dropped (the model read
+    a constant 1); a wrong width or batch size failed deep in torch ("mat1 and mat2
+    shapes cannot be multiplied", "embeddings must be (B, F*D)") naming no setting."""
+    gen = torch.Generator().manual_seed(0)
+    model = _model("dlrm", num_dense=num_dense)
+    expected = f"dense features {tuple(shape)}: expected (batch, num_dense) = ({B}, {num_dense})"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        model(torch.randn(*shape, generator=gen), _features(gen))
+    model(torch.randn(B, num_dense, generator=gen), _features(gen))
 
 
 def test_models_interaction_layout_is_lower_triangle_row_major() -> None:

@@ -338,10 +338,23 @@ inline void offsets_into(const at::Tensor& lengths, std::vector<int64_t>* out) {
   std::vector<int64_t>& off = *out;
   off.resize(lengths.numel() + 1);
   off[0] = 0;
+  int64_t negative_at = -1;  // a negative length would make a bag start past its end
   AT_DISPATCH_INDEX_TYPES(lengths.scalar_type(), "tbe_offsets", [&] {
     const index_t* l = lengths.data_ptr<index_t>();
-    for (int64_t i = 0; i < lengths.numel(); ++i) off[i + 1] = off[i] + static_cast<int64_t>(l[i]);
+    index_t smallest = 0;
+    for (int64_t i = 0; i < lengths.numel(); ++i) {
+      off[i + 1] = off[i] + static_cast<int64_t>(l[i]);
+      smallest = std::min(smallest, l[i]);
+    }
+    if (smallest < 0) {
+      for (int64_t i = 0; i < lengths.numel() && negative_at < 0; ++i) {
+        if (l[i] < 0) negative_at = i;
+      }
+    }
   });
+  TETRAREC_CHECK(negative_at < 0, "tetrarec tbe: bag length ", negative_at, " is ",
+                 negative_at >= 0 ? off[negative_at + 1] - off[negative_at] : 0,
+                 " (lengths must be >= 0)");
 }
 inline std::vector<int64_t> offsets_of(const at::Tensor& lengths) {
   std::vector<int64_t> off;
@@ -367,10 +380,10 @@ inline void check_batch(const Meta& M, const char* where, const char* what, int6
   TETRAREC_CHECK(width >= cols, "tetrarec tbe ", where, ": ", what, " has ", width,
               " columns, the features need ", cols);
   const int64_t ids = offsets.back();
-  TETRAREC_CHECK(ids <= values.numel(), "tetrarec tbe ", where, ": the lengths add up to ", ids,
+  TETRAREC_CHECK(ids == values.numel(), "tetrarec tbe ", where, ": the lengths add up to ", ids,
               " ids, values holds ", values.numel());
   if (psw.has_value()) {
-    TETRAREC_CHECK(ids <= psw->numel(), "tetrarec tbe ", where, ": the lengths add up to ", ids,
+    TETRAREC_CHECK(ids == psw->numel(), "tetrarec tbe ", where, ": the lengths add up to ", ids,
                 " ids, the per-id weights hold ", psw->numel());
   }
 }
