@@ -108,6 +108,10 @@ def two_ranks(tmp_path_factory):
                                "train.early_stop_patience=1", "train.checkpoint_every=1",
                                "train.keep_checkpoints=1", "optim.dense_lr=2.0", ck("best"))),
         Scenario("planned", (*TINY, "optim.sparse.kind=sgd", ck("planned"))),
+        Scenario("sgd_first_half", (*TINY, "sharding.type=row_wise", "optim.sparse.kind=sgd",
+                                    "train.steps=3", ck("sgd"))),
+        Scenario("sgd_second_half", (*TINY, "sharding.type=row_wise", "optim.sparse.kind=sgd",
+                                     ck("sgd")), resume=True),
         Scenario("cached", (*TINY, *CACHED, "train.checkpoint_every=3", ck("cached"))),
         Scenario("cached_first_half", (*TINY, *CACHED, "train.steps=3", ck("cresumed"))),
         Scenario("cached_second_half", (*TINY, *CACHED, ck("cresumed")), resume=True),
@@ -168,6 +172,17 @@ def test_resuming_a_sharded_run_is_bitwise_equal_to_an_uninterrupted_one(two_ran
     plan = ShardingPlan.from_dict(meta["plan"])
     assert plan.fingerprint() == meta["fingerprint"]
     assert len(meta["ranks"]) == 2
+
+
+def test_a_sharded_sgd_run_resumes_to_the_uninterrupted_runs_metrics(two_ranks):
+    """SGD keeps no state, so the checkpoint named none of a rank's blocks and every
+    resume was refused ("optimizer state for [], this rank holds [...]"); with the keys
+    in rank 0's meta only, rank 1 was refused for rank 0's blocks."""
+    results, _ = two_ranks
+    for name in ("sgd_first_half", "sgd_second_half"):
+        assert all(r["ok"] for r in results[name]), results[name]
+    for resumed, straight in zip(results["sgd_second_half"], results["row_wise"]):
+        assert resumed["final"] == straight["final"]
 
 
 def test_sharded_keep_best_and_early_stop_agree_on_every_rank(two_ranks):

@@ -319,11 +319,14 @@ def flatten_optimizer_state(
 
     Tensors become ``"<prefix>.<key>.<name>"``, where the key is a parameter index
     (``torch.optim``) or a table name (a fused optimizer); non-tensor state values and
-    the parameter groups go to the JSON part, which also records the keys' kind.
+    the parameter groups go to the JSON part, which also records the keys and their
+    kind (a key whose entry is empty, as every table's is under SGD, has no tensor to
+    name it, and a fused optimizer's load needs every table).
     """
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     string_keys = any(isinstance(k, str) for k in state_dict["state"])
+    keys = [str(k) for k in state_dict["state"]]
     for idx, entry in state_dict["state"].items():
         for name, value in entry.items():
             if isinstance(value, torch.Tensor):
@@ -331,7 +334,7 @@ def flatten_optimizer_state(
             else:
                 scalars.setdefault(str(idx), {})[name] = value
     extra = {"scalars": scalars, "param_groups": state_dict["param_groups"]}
-    return tensors, {**extra, "string_keys": string_keys}
+    return tensors, {**extra, "string_keys": string_keys, "keys": keys}
 
 
 def unflatten_optimizer_state(
@@ -341,6 +344,8 @@ def unflatten_optimizer_state(
     state: dict[int | str, dict[str, Any]] = {}
     head = prefix + "."
     as_key = str if extra.get("string_keys") else int
+    for idx in extra.get("keys", ()):  # absent from checkpoints written before it was kept
+        state[as_key(idx)] = {}
     for key, value in tensors.items():
         if key.startswith(head):
             idx, name = key[len(head) :].split(".", 1)

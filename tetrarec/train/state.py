@@ -162,7 +162,12 @@ def _save_sharded(
     own.update(rng[0])
     layout = model_embeddings(parts.model)
     shards = layout.shard_layout() if isinstance(layout, ShardedEmbeddingBagCollection) else []
-    ranks = comm.all_gather_json({"rng": rng[1], "shards": shards}, label="checkpoint")
+    # The blocks this rank's optimizer state is keyed by (each rank's own: rank 0's meta
+    # is the one written, and an SGD block has no tensor to name it).
+    keys = meta["sparse_optim"]["keys"]
+    ranks = comm.all_gather_json(
+        {"rng": rng[1], "shards": shards, "sparse_optim_keys": keys}, label="checkpoint"
+    )
     meta["sharding"] = {
         "world_size": env.world_size,
         "local_world_size": env.local_world_size,
@@ -250,9 +255,12 @@ def load_run_state(path: str | Path, parts: RunParts) -> tuple[int, int]:
     parts.dense_optimizer.load_state_dict(
         unflatten_optimizer_state(data.tensors, data.meta["dense_optim"], "dense_optim")
     )
+    sparse_json = data.meta["sparse_optim"]
+    if rank_meta is not None and "sparse_optim_keys" in rank_meta:
+        sparse_json = {**sparse_json, "keys": rank_meta["sparse_optim_keys"]}
     try:
         parts.sparse_optimizer.load_state_dict(
-            unflatten_optimizer_state(data.tensors, data.meta["sparse_optim"], "sparse_optim")
+            unflatten_optimizer_state(data.tensors, sparse_json, "sparse_optim")
         )
     except (KeyError, ValueError) as e:
         raise ValueError(
