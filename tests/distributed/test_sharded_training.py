@@ -7,6 +7,7 @@ One spawn of 2 ranks runs every scenario in turn (each is a whole ``train`` call
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from tetrarec.config import RunConfig
 from tetrarec.sharding import ShardingPlan, plan_by_type
 from tetrarec.testing import run_ranks
 from tetrarec.testing.train_workers import Scenario, train_worker
-from tetrarec.train import build_tables, train
+from tetrarec.train import build_tables, latest_checkpoint, read_checkpoint, train
 from tetrarec.types import ShardingType
 
 pytestmark = pytest.mark.distributed
@@ -55,6 +56,10 @@ CACHED = (
     "optim.sparse.kind=adagrad",
     "sharding.type=[table_wise, table_wise, column_wise, column_wise]",
 )
+# The same with a byte budget for the cached tables together: 2752 B of 64 B slots (FP32
+# row of dim 8 and its Adagrad sums) over 50 + 21 + 101 rows, one process's C1 12 slots,
+# C2 5, C4 25.
+CACHED_BYTES = (*CACHED[:2], "model.cache.bytes=2752", *CACHED[3:])
 # Cached data-parallel replicas (INT8 rows, one replicated table's rows in files) beside a
 # cached table-wise table: every replica runs the global batch's policy step.
 CACHED_DP = (
@@ -115,6 +120,7 @@ def two_ranks(tmp_path_factory):
         Scenario("cached", (*TINY, *CACHED, "train.checkpoint_every=3", ck("cached"))),
         Scenario("cached_first_half", (*TINY, *CACHED, "train.steps=3", ck("cresumed"))),
         Scenario("cached_second_half", (*TINY, *CACHED, ck("cresumed")), resume=True),
+        Scenario("cached_bytes", (*TINY, *CACHED_BYTES, ck("cached_bytes"))),
         Scenario("cached_dp", (*TINY, *CACHED_DP, "train.checkpoint_every=3", ck("cached_dp"))),
         Scenario("cached_dp_first_half", (*TINY, *CACHED_DP, "train.steps=3", ck("dresumed"))),
         Scenario("cached_dp_second_half", (*TINY, *CACHED_DP, ck("dresumed")), resume=True),
@@ -293,6 +299,32 @@ def test_sharded_cached_tables_train_as_one_process_and_resume_bitwise(two_ranks
             assert (ta[k] == tb[k]).all(), (f, k)
 
 
+def test_a_byte_budget_is_shared_by_the_tables_as_in_one_process(two_ranks):
+    """``model.cache.bytes`` under torchrun was applied again by every rank and every
+    sharding group (each rank's shards got the whole budget: twice the slots in all,
+    and other decisions than one process's). Each table's (or column block's) cache now
+    holds one process's slots, and decides as it does."""
+    results, tmp = two_ranks
+    assert all(r["ok"] for r in results["cached_bytes"]), results["cached_bytes"]
+    ref = one_process(*CACHED_BYTES, f"train.checkpoint_dir={tmp / 'bytes_one'}")["final"]
+    one = read_checkpoint(latest_checkpoint(tmp / "bytes_one")).tensors
+    ranks = [
+        load_file(str(tmp / "cached_bytes" / "step_00000006" / f"rank_0000{r}.safetensors"))
+        for r in (0, 1)
+    ]
+    for table, slots in (("C1", 12), ("C2", 5), ("C4", 25)):
+        want = one[f"embedding.cache.{table}.slot_rows"]
+        assert want.numel() == slots, table
+        pattern = re.compile(rf"cache\.{table}(@[^.]*)?\.slot_rows$")
+        found = [t[k] for t in ranks for k in t if pattern.search(k)]
+        assert found, (table, sorted(ranks[0]))
+        for got in found:
+            assert torch.equal(got, want), (table, got, want)
+    for rank, res in enumerate(results["cached_bytes"]):
+        got = res["final"]
+        assert abs(got["log_loss"] - ref["log_loss"]) < 1e-5, (rank, got, ref)
+
+
 def test_cached_data_parallel_tables_train_as_one_process_and_resume_bitwise(two_ranks):
     """Cached replicated tables (INT8 rows, FP32 caches, one on SSD files) beside a
     cached table-wise table. Bugs caught: a replica whose cache decides on its own
@@ -330,7 +362,6 @@ def test_sharded_static_cache_pins_the_one_process_rows(two_ranks):
     (replicas pinning other rows than each other and than one process), a shard
     pinning by another block's counts, and static counts that never reach the ranks'
     caches (the run would fail to build)."""
-    from tetrarec.train import latest_checkpoint, read_checkpoint
 
     results, tmp = two_ranks
     assert all(r["ok"] for r in results["static"]), results["static"]

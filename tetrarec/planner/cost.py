@@ -13,9 +13,12 @@ A DP replica pools its own samples' ``b P`` ids forward and applies the global b
 update backward (``B P`` ids: every replica makes the one-process update).
 
 **Storage of a shard** (in its tier ``t``; a cached placement keeps the hottest
-``f`` (1% or 5%) of its rows again in the next faster tier)::
+``f`` (1% or 5%, or the config's fraction) of its rows again in the next faster tier,
+or in the same host memory on a machine without a device)::
 
-    weights = n rb(c)      state = n sb(c)      cache = ceil(f n) rb(c)
+    weights = n rb(c)      state = n sb(c)
+    cache = ceil(f n) (4 c + sb(c))                 (FP32 slots and their state)
+          + ceil(f n) S + n R                       (host: the slot maps, SlotMap)
     buffers = ids I + 2 out          (fast tier: received ids, outputs and their gradients)
 
 plus, on every rank for every sharded (non-DP) table, the requester's buffers
@@ -144,6 +147,13 @@ ROUTE_GROUPS = ("block", "row", "replicated", "split")
 #: Optimizers whose per-row state the blocks of a column-split table share.
 ROWWISE_KINDS = (OptimizerKind.ROWWISE_ADAGRAD, OptimizerKind.ROWWISE_ADAM)
 
+#: A cache slot holds an FP32 row: 4 bytes per column.
+FP32_BYTES = 4
+#: ``SlotMap``'s host bytes per slot (its row, int64; last use, int64; dirty, bool) and
+#: per row of the table (its slot, int32); LFU's per-row count (8 more) is not counted.
+SLOT_MAP_BYTES_PER_SLOT = 17
+SLOT_MAP_BYTES_PER_ROW = 4
+
 SHORT = {
     ShardingType.TABLE_WISE: "TW",
     ShardingType.ROW_WISE: "RW",
@@ -199,7 +209,8 @@ class ShardCost:
         memory: bytes per tier (``TIER_ORDER`` order): weights, state, cache, buffers.
         weights: stored row bytes.
         state: optimizer-state bytes.
-        cache: cached row bytes (in ``cache_tier``).
+        cache: cache bytes: FP32 slot rows and their state (in ``cache_tier``) plus
+            the slot maps (host memory).
         buffers: communication buffers (in the fast tier).
         fast_rows: weights, state and cache bytes that sit in the fast tier.
     """
@@ -310,11 +321,16 @@ def shard_cost(
         buffers = ids_in + 2 * out
     weights = float(rows * rb)
     state = float(rows * sb)
-    cache = float(math.ceil(option.cache_fraction * rows) * rb) if option.cache_tier else 0.0
     memory = [0.0, 0.0, 0.0]
     memory[TIER_ORDER.index(option.tier)] += weights + state
+    cache = 0.0
     if option.cache_tier is not None:
-        memory[TIER_ORDER.index(option.cache_tier)] += cache
+        slots = math.ceil(option.cache_fraction * rows)
+        slot_rows = float(slots * (FP32_BYTES * cols + sb))
+        maps = float(slots * SLOT_MAP_BYTES_PER_SLOT + rows * SLOT_MAP_BYTES_PER_ROW)
+        memory[TIER_ORDER.index(option.cache_tier)] += slot_rows
+        memory[TIER_ORDER.index(Tier.HOST)] += maps
+        cache = slot_rows + maps
     fast = TIER_ORDER.index(topo.fast_tier)
     fast_rows = memory[fast]
     memory[fast] += buffers

@@ -313,8 +313,8 @@ def inputs_from_config(
 
     per_feature = load_stats(stats) if stats is not None else {}
     configs = build_tables(config.model)
-    fixed = fixed_placements(config.model)
     kind = config.optim.sparse.kind
+    fixed = fixed_placements(config.model, kind)
     tables = tuple(
         TableSpec(
             name=t.name,

@@ -159,8 +159,9 @@ class TableChoice:
 def table_placement(option: Option) -> TablePlacement:
     """The plan's ``TablePlacement`` of an option.
 
-    Rows in device or host memory; host rows with a device cache are ``cached``; SSD
-    rows (cached in host memory) ``ssd``.
+    Rows in device or host memory; host rows with a cache (in device memory, or in the
+    same host memory on a machine without a device) are ``cached``; SSD rows (cached in
+    host memory) ``ssd``.
     """
     if option.tier is Tier.SSD:
         kind = Placement.SSD
@@ -188,11 +189,13 @@ def option_of(
         above = [t for t in tiers if t is not Tier.SSD]
         cache = above[-1] if above and f > 0 else None
         return Tier.SSD, cache, f if cache else 0.0, placement.precision
-    if kind is Placement.CACHED and Tier.DEVICE in tiers and Tier.HOST in tiers:
-        return Tier.HOST, Tier.DEVICE, f, placement.precision
+    if kind is Placement.CACHED and f > 0:
+        # the slots sit in the device's memory, or, without one, in the same host memory
+        cache_tier = Tier.DEVICE if Tier.DEVICE in tiers and Tier.HOST in tiers else Tier.HOST
+        return Tier.HOST, cache_tier, f, placement.precision
     if kind is Placement.DEVICE:
         return Tier.DEVICE, None, 0.0, placement.precision
-    return Tier.HOST, None, 0.0, placement.precision  # host; cached in the same memory
+    return Tier.HOST, None, 0.0, placement.precision
 
 
 def candidates(inputs: PlannerInputs, table: TableSpec) -> list[Option]:

@@ -17,6 +17,7 @@ empty leaf): the collectives of backward are then issued in the same order every
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -46,8 +47,9 @@ class LookupOptions:
         deterministic: bitwise-reproducible backward.
         stochastic_rounding: round low-precision rows stochastically.
         check_bounds: check ids (done once, before they are sent).
-        cache: the policy, default size and SSD directory of the shards whose plan
-            placement is ``cached`` or ``ssd`` (default: LRU, the plan's fractions).
+        cache: the policy and SSD directory of the shards whose plan placement is
+            ``cached`` or ``ssd`` (default: LRU); their size is the plan's fraction
+            (this spec's own size is not used).
         static_counts: ``{global table name: (rows,) id counts}`` of a data sample,
             for the ``static`` policy (``tetrarec.cache.count_ids``); each cached shard
             pins the hottest of its own rows by its rows' counts.
@@ -182,8 +184,11 @@ class ShardedGroup(nn.Module):
             # each rank caches its own shards, at the plan's fraction of their rows; on
             # an accelerator the slots live in its memory and the backing rows in host
             # memory, and the uncached shards stay in its memory ("device")
+            # The plan's fractions are the only size: a byte budget is the config's for
+            # the tables together (turned into fractions by the run), not this group's.
             fractions = {n: w.cache_fraction for n, w in cached.items()}
-            spec = options.cache or CacheSpec(fraction=0.0)
+            given = options.cache or CacheSpec(fraction=0.0)
+            spec = dataclasses.replace(given, fraction=0.0, bytes=None)
             on_cpu = env.device.type in ("cpu", "meta")
             uncached = Placement.HOST if on_cpu else Placement.DEVICE
             self.local = CachedEmbeddingBagCollection(

@@ -19,7 +19,7 @@ from tetrarec.embedding import EmbeddingBagCollection, SparseOptimizerSpec, Tabl
 from tetrarec.models import DLRM, EmbeddingModule, build_model
 from tetrarec.sharding import ShardingEnv, ShardingPlan, TablePlacement
 from tetrarec.train.optim import build_dense_optimizer, build_sparse_optimizer
-from tetrarec.types import Placement, Precision
+from tetrarec.types import OptimizerKind, Placement, Precision
 
 __all__ = [
     "EMBEDDINGS",
@@ -306,15 +306,35 @@ def _dense_to(model: DLRM, device: torch.device) -> None:
             child.to(device)
 
 
-def fixed_placements(model: ModelConfig) -> dict[str, TablePlacement]:
+def fixed_placements(model: ModelConfig, kind: OptimizerKind) -> dict[str, TablePlacement]:
     """The placements the config fixes: its ``cached`` and ``ssd`` tables, by name.
 
-    A sharded run keeps them whatever its plan says, at ``[model.cache]``'s fraction
-    (0 with a byte budget), and the planner plans them so.
+    A sharded run keeps them whatever its plan says, and the planner plans them so. The
+    cache size is ``[model.cache]``'s fraction, or for a byte budget the slots one
+    process would give each table (``CacheSpec.capacities``, with ``kind``'s optimizer
+    state per slot) as a fraction of its rows: a whole table's shard gets exactly those
+    slots, a row block its share (never more in all), so the budget holds for the tables
+    together, not again per rank or per sharding group. (The fraction is
+    ``(slots + 1/2) / rows``: ``floor(fraction * rows)`` is then exactly ``slots``, where
+    ``slots / rows`` could round to one slot fewer.)
     """
-    fraction = model.cache.fraction or 0.0
-    return {
-        t.name: TablePlacement(placement=p, cache_fraction=fraction, precision=t.precision)
-        for t, p in zip(build_tables(model), model.table_placements, strict=True)
+    tables = build_tables(model)
+    fixed = [
+        (t, p)
+        for t, p in zip(tables, model.table_placements, strict=True)
         if p in (Placement.CACHED, Placement.SSD)
+    ]
+    if not fixed:
+        return {}
+    if model.cache.fraction is not None:
+        fractions = {t.name: model.cache.fraction for t, _ in fixed}
+    else:
+        slots = model.cache.spec().capacities([t for t, _ in fixed], kind)
+        fractions = {
+            t.name: min(1.0, (slots[t.name] + 0.5) / t.num_embeddings) if slots[t.name] else 0.0
+            for t, _ in fixed
+        }
+    return {
+        t.name: TablePlacement(placement=p, cache_fraction=fractions[t.name], precision=t.precision)
+        for t, p in fixed
     }

@@ -153,10 +153,11 @@ def make_plan(config: RunConfig, env: ShardingEnv) -> ShardingPlan:
 def _with_config_placements(config: RunConfig, plan: ShardingPlan) -> ShardingPlan:
     """``plan`` with the config's ``cached`` and ``ssd`` tables placed so.
 
-    Each rank then caches its own shards, at ``[model.cache]``'s fraction (or its byte
-    budget per rank); other tables keep the plan's placement.
+    Each rank then caches its own shards, at ``[model.cache]``'s fraction (a byte budget
+    as one process would divide it: ``fixed_placements``); other tables keep the plan's
+    placement.
     """
-    fixed = fixed_placements(config.model)
+    fixed = fixed_placements(config.model, config.optim.sparse.kind)
     if not fixed:
         return plan
     placed = tuple(

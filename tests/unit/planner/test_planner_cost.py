@@ -7,6 +7,8 @@ from dataclasses import replace
 
 import pytest
 
+from tetrarec.cache.policy import CachePolicy
+from tetrarec.cache.slot_map import SlotMap
 from tetrarec.models.config import DLRMConfig
 from tetrarec.planner import (
     AccessStats,
@@ -88,7 +90,10 @@ def test_table_wise_shard_by_hand() -> None:
 
 
 def test_row_wise_and_cached_shards_by_hand() -> None:
-    """Catches RW shards charged for every id, or a cache whose hit rate is ignored."""
+    """Catches RW shards charged for every id, or a cache whose hit rate is ignored; and
+    a cache counted at the stored row size (it was: 50 x 16 bytes here, while the run
+    holds FP32 slots, their optimizer state and the slot maps, 7x more for INT8 rows:
+    plans that could not run were accepted)."""
     rw = shard_cost(INPUTS, TABLE, _opt(ShardingType.ROW_WISE), 500, 4)
     assert rw.lookup_s == pytest.approx(_u(16) / 2 * 56 / 1e9)  # half the distinct rows
     assert rw.bytes_out == 8 * 4 * 4  # partial sums of all samples
@@ -102,8 +107,13 @@ def test_row_wise_and_cached_shards_by_hand() -> None:
     )
     c = shard_cost(INPUTS, TABLE, cached, 1000, 4)
     assert c.lookup_s == pytest.approx(_u(16) * 56 * (0.5 / 1e9 + 0.5 / 1e8))
-    assert c.cache == 50 * 16
-    assert c.memory == (0.0, 50 * 16 + 384, 20000)
+    # 50 slots of an FP32 row (16 B) and its row-wise state (4 B); SlotMap: 17 B per
+    # slot, 4 B per row of the shard
+    slots = 50 * (16 + 4)
+    maps = SlotMap(50, 1000, CachePolicy.LRU).metadata_bytes()
+    assert maps == 50 * 17 + 1000 * 4
+    assert c.cache == slots + maps
+    assert c.memory == (0.0, slots + maps + 384, 20000)
 
 
 def test_dense_cost_by_hand() -> None:

@@ -358,3 +358,31 @@ def test_a_placement_the_config_fixes_is_planned_so() -> None:
     assert placed["C3"].cache_fraction == 0.05
     assert "as model.placement says" in next(t.reason for t in report.tables if t.table == "C1")
     assert sum(r.memory["ssd"] for r in report.ranks) > 0
+
+
+@pytest.mark.parametrize("size", ["model.cache.fraction=0.1", "model.cache.bytes=4000"])
+def test_a_cached_table_on_a_machine_without_a_device_is_planned_cached(size: str) -> None:
+    """On a CPU topology (host and SSD tiers) a ``cached`` table was planned as ``host``
+    with no cache: the report, its memory and the plan file (``placement: host``,
+    fraction 0) described another run than the one that then cached the table. With a
+    byte budget the fraction was 0 everywhere. Now the plan says ``cached`` at the
+    config's size, the cache counted in host memory."""
+    from tetrarec.config import RunConfig
+    from tetrarec.planner import inputs_from_config
+    from tetrarec.types import Placement
+
+    config = RunConfig().with_overrides(
+        ["model.num_sparse=2", "model.num_embeddings=[1000, 50]",
+         "model.placement=[cached, host]", "model.precision=int8", size]
+    )  # fmt: skip
+    topology = _topology(local=2, device_memory=0.0, host_memory=1e9, ssd=1e9, ssd_bandwidth=1e9)
+    assert Tier.DEVICE not in topology.tiers
+    inputs = inputs_from_config(config, topology)
+    sharding_plan, report = plan(inputs)
+    placed = {tp.table: tp.placement for tp in sharding_plan.tables}
+    assert placed["C1"].placement is Placement.CACHED
+    # bytes: 4000 B of 260 B slots (FP32 row of dim 64 + its row-wise sum) -> 15 slots
+    assert placed["C1"].cache_fraction == (0.1 if "fraction" in size else 15.5 / 1000)
+    c1 = next(t for t in report.tables if t.table == "C1")
+    assert "host+host cache" in c1.reason
+    assert sum(r.cache for r in report.ranks) > 0
