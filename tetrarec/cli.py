@@ -20,7 +20,8 @@ tetrarec's own errors print one line on stderr (``tetrarec COMMAND: error: ...``
 a traceback: errors in the user's input (config, data, checkpoint, an id outside its
 table) exit 2; a run that fails (a non-finite loss or state, the compiled kernels
 failing to build under ``TETRAREC_KERNELS=compiled``, an OS error such as a full disk)
-exits 1; Ctrl-C exits 130.
+exits 1; Ctrl-C exits 130, SIGTERM (what torchrun, a scheduler or ``docker stop`` send)
+143; both unwind the run, so its SSD scratch files are deleted.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -407,10 +410,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tetrarec.comm import CollectiveError
     from tetrarec.train import NonFiniteLossError, NonFiniteStateError
 
+    on_term = _raise_on_sigterm()
     try:
         with logging_redirect_tqdm():
             _build_kernels(args.command)
             return _COMMANDS[args.command](args)
+    except _Terminated:
+        print(f"tetrarec {args.command}: terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except (NonFiniteLossError, NonFiniteStateError, CollectiveError, _RunFailedError) as e:
         return _fail(args.command, e, 1)
     except (ValueError, FileNotFoundError) as e:  # DataError is a ValueError
@@ -420,3 +427,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"tetrarec {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that the run unwinds as for Ctrl-C."""
+
+
+def _raise_on_sigterm() -> Any:
+    """Make SIGTERM raise ``_Terminated``; return the handler it replaces (to restore).
+
+    Python's default is to die at once, leaving what only unwinding deletes (an ``ssd``
+    table's scratch files) behind. ``None`` off the main thread (no handler there).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def raise_terminated(signum: int, frame: Any) -> None:
+        raise _Terminated
+
+    return signal.signal(signal.SIGTERM, raise_terminated)

@@ -10,8 +10,10 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -468,3 +470,29 @@ def test_train_parquet_paths_and_quoted_dir_from_set_then_eval_the_best(
     scored = json.loads(ev.read_text())
     assert scored.pop("checkpoint") == "out/ck/best"
     assert scored == {k: v for k, v in best.items() if k not in ("metric", "step")}
+
+
+def test_sigterm_exits_143_and_deletes_the_ssd_scratch_files(tmp_path) -> None:
+    """SIGTERM (what torchrun sends the other ranks when one fails, and schedulers send
+    at a time limit) killed the process at once: no message, and an ``ssd`` table's
+    scratch directory left behind on the disk. It now unwinds like Ctrl-C."""
+    ssd = tmp_path / "ssd"
+    cmd = [
+        sys.executable, "-m", "tetrarec", "-q", "train", "--config", str(SYNTHETIC),
+        *_sets(*TINY, "train.steps=1000000", "model.placement=ssd", "model.precision=int8",
+               "model.cache.fraction=0.1", f"model.cache.dir={ssd}"),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not list(ssd.glob("tetrarec-ssd-*")) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        assert list(ssd.glob("tetrarec-ssd-*")), "the run never made its SSD files"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert _one_line(err) == "tetrarec train: terminated (SIGTERM)"
+    assert list(ssd.glob("tetrarec-ssd-*")) == []

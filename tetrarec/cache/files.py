@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -155,24 +156,52 @@ def map_to_files(
 
     Returns:
         The new directory holding the files (the caller deletes it).
+
+    Raises:
+        OSError: when the files cannot be created or their space reserved (a full
+            disk), naming the file and the bytes; the new directory is deleted first.
     """
     base = Path(root or tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
     directory = Path(tempfile.mkdtemp(prefix="tetrarec-ssd-", dir=base))
-    for s, store in enumerate(module._stores):
-        path = directory / f"rows-{s}-{store.precision.value}.bin"
-        w = torch.from_file(
-            str(path), shared=True, size=store.numel, dtype=store.precision.torch_dtype
-        )
-        advise_random_(w)
-        setattr(module, f"_weights_{s}", w)
-        for k, n in enumerate(store.state_numel):
-            name = store.state_names[k]
-            path = directory / f"state-{s}-{name}.bin"
-            st = torch.from_file(str(path), shared=True, size=n, dtype=torch.float32)
-            advise_random_(st)
-            st.fill_(optimizer.initial_accumulator if name == "sum" else 0.0)
-            setattr(module, f"_state_{s}_{k}", st)
-    # the same initial rows as in memory (init_rows), in small chunks
-    module._init_weights(chunk_rows=init_chunk_rows)
+    try:
+        for s, store in enumerate(module._stores):
+            dtype = store.precision.torch_dtype
+            path = directory / f"rows-{s}-{store.precision.value}.bin"
+            w = _mapped(path, store.numel, dtype)
+            setattr(module, f"_weights_{s}", w)
+            for k, n in enumerate(store.state_numel):
+                name = store.state_names[k]
+                st = _mapped(directory / f"state-{s}-{name}.bin", n, torch.float32)
+                st.fill_(optimizer.initial_accumulator if name == "sum" else 0.0)
+                setattr(module, f"_state_{s}_{k}", st)
+        # the same initial rows as in memory (init_rows), in small chunks
+        module._init_weights(chunk_rows=init_chunk_rows)
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
     return directory
+
+
+def _mapped(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(numel,)`` of ``dtype`` shared-mapped from a new file whose blocks are reserved.
+
+    A sparse file on a full disk maps fine and then kills the process with SIGBUS at the
+    first page written; reserving the blocks (``posix_fallocate``) fails here instead.
+    """
+    size = numel * torch.empty(0, dtype=dtype).element_size()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        if size and hasattr(os, "posix_fallocate"):  # Linux; elsewhere the file is sparse
+            os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        raise OSError(
+            e.errno,
+            f"the ssd placement cannot reserve {size:,} bytes for {path.name} in "
+            f"{path.parent.parent} ({e.strerror})",
+        ) from e
+    finally:
+        os.close(fd)
+    mapped = torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
+    advise_random_(mapped)
+    return mapped

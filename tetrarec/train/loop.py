@@ -34,6 +34,7 @@ import os
 import random
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ from tetrarec.train.optim import set_learning_rate
 from tetrarec.train.schedule import lr_scale
 from tetrarec.train.state import load_run_state, restore_dense_transform, save_run_state
 from tetrarec.train.static_cache import log_pinned, pinned_rows, sample_counts
+from tetrarec.types import Placement
 
 __all__ = ["NonFiniteLossError", "TrainResult", "train"]
 
@@ -241,6 +243,11 @@ def train(
             run.close()
 
 
+def _settings(values: dict[str, Any]) -> str:
+    """``"policy=lru fraction=0.2"``: the settings that are set."""
+    return " ".join(f"{k}={v}" for k, v in values.items() if v is not None)
+
+
 def _check_paths(config: RunConfig) -> None:
     """Refuse, by their keys, paths the run could only fail on after training."""
     if config.train.json and Path(config.train.json).is_dir():
@@ -251,6 +258,18 @@ def _check_paths(config: RunConfig) -> None:
     ):
         if where and Path(where).exists() and not Path(where).is_dir():
             raise ValueError(f"{key}={where!r} is a file; give a directory")
+    where = config.model.cache.dir
+    if where and Placement.SSD in config.model.table_placements:
+        try:  # the SSD tier's files go there: a directory it cannot write is bad input
+            Path(where).mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".tetrarec-probe-", dir=where)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise ValueError(
+                f"model.cache.dir={where!r}: the ssd placement cannot write its files there "
+                f"({e.strerror or e})"
+            ) from e
 
 
 def _clear_for_fresh_run(config: TrainConfig, rank: int) -> None:
@@ -369,6 +388,7 @@ class _Run:
                 f"{self.config.data.batch_size}: its data position counts batches of {saved}, "
                 "so resume with that batch size (or start a new run)"
             )
+        self._check_same_cache(path)
         self.step, position = load_run_state(path, self.parts)
         self.train_ds, self.eval_ds = restore_dense_transform(path, self.train_ds, self.eval_ds)
         if position != self.step:
@@ -383,6 +403,34 @@ class _Run:
         self.last_checkpoint = path
         self._resume_best(path)
         logger.info("resumed from %s at step %d", path, self.step)
+
+    def _check_same_cache(self, path: Path) -> None:
+        """Refuse a resume whose caches are of another policy or size than the saved ones.
+
+        A checkpoint holds each cache's slots and policy state as that policy and size
+        left them: restored under another policy they would be kept as they are (an LRU
+        cache's rows "pinned" by ``static``, while the log named other rows), and under
+        another size they do not fit. A checkpoint of uncached tables has no caches to
+        restore (its tables may start caching).
+        """
+        saved = read_meta(path).get("config", {}).get("model", {})
+        placed = saved.get("placement", "host")
+        placed = placed if isinstance(placed, list) else [placed]
+        mine = self.config.model
+        if not mine.cached or not any(p in ("cached", "ssd") for p in placed):
+            return
+        was = {k: saved.get("cache", {}).get(k) for k in ("policy", "fraction", "bytes")}
+        now = {
+            "policy": mine.cache.policy.value,
+            "fraction": mine.cache.fraction,
+            "bytes": mine.cache.bytes,
+        }
+        if was != now:
+            raise ValueError(
+                f"resume: {path} cached its tables with model.cache {_settings(was)}, this "
+                f"run has {_settings(now)}: its caches' contents are saved for that policy "
+                "and size, so resume with the same [model.cache] settings (or start a new run)"
+            )
 
     def _resume_best(self, path: Path) -> None:
         """Take the best-so-far state from the checkpoint's meta (same metric only)."""

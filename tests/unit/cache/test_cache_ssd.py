@@ -250,3 +250,29 @@ def test_ssd_tables_prefetch_their_missed_rows_and_train_as_in_memory(tmp_path):
     assert ssd.prefetched_pages > before
     for key, value in ram.state_dict().items():
         assert torch.equal(ssd.state_dict()[key], value), key
+
+
+def test_a_full_disk_fails_when_the_files_are_made_and_leaves_nothing(tmp_path, monkeypatch):
+    """A sparse file on a full disk mapped fine, then the first write of the initial rows
+    killed the process with SIGBUS (no message), and the scratch directory stayed behind,
+    filling the disk for the next run. The files' blocks are now reserved first
+    (``posix_fallocate``): ENOSPC is an OSError naming the file and bytes, and the new
+    directory is deleted."""
+    import errno
+    import os
+
+    if not hasattr(os, "posix_fallocate"):
+        pytest.skip("no posix_fallocate here")
+
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    meta = FusedEmbeddingBagCollection(TABLES, ADAGRAD, seed=5, device="meta")
+    with pytest.raises(
+        OSError,
+        match=r"cannot reserve [\d,]+ bytes for rows-0-\w+\.bin in .* \(No space left on device\)",
+    ) as info:
+        map_to_files(meta, ADAGRAD, str(tmp_path))
+    assert info.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []

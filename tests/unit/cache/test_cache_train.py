@@ -135,3 +135,52 @@ def test_static_policy_pins_the_training_sample_top_rows_logs_them_and_resumes(t
         assert torch.equal(tensor, again[name]), name
     assert resumed.final == straight.final
     assert evaluate_checkpoint(latest_checkpoint(tmp_path / "a")) == straight.final
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        "model.cache.policy=static",
+        "model.cache.policy=lfu",
+        "model.cache.fraction=0.3",
+        "model.cache.bytes=600",
+    ],
+)
+def test_a_resume_with_other_cache_settings_is_refused_by_name(tmp_path, changed):
+    """An LRU checkpoint resumed under ``policy = "static"`` kept the LRU cache's rows as
+    if pinned, while the log named the sample's hottest rows; other changes failed on a
+    saved tensor's shape ("cache.freq is (0,), this cache needs (50,)"). Both now say
+    that [model.cache] changed. (fraction -> bytes also changes the size.)"""
+    train(tiny(tmp_path, "a", "train.steps=2"))
+    extra = [changed] if "bytes" not in changed else [changed, "model.cache.fraction=none"]
+    with pytest.raises(
+        ValueError,
+        match=r"cached its tables with model\.cache policy=lru fraction=0\.2, this run has",
+    ):
+        train(tiny(tmp_path, "a", "train.steps=4", *extra), resume=True)
+
+
+def test_the_same_cache_settings_and_an_uncached_checkpoint_resume(tmp_path):
+    """The check above must not refuse what works: the same settings, or a checkpoint of
+    uncached tables resumed with caches (the documented direction)."""
+    train(tiny(tmp_path, "a", "train.steps=2"))
+    assert train(tiny(tmp_path, "a", "train.steps=3"), resume=True).start_step == 2
+    host = RunConfig().with_overrides(
+        [*TINY, f"train.checkpoint_dir={tmp_path / 'h'}", "train.steps=2"]
+    )
+    train(host)
+    assert train(tiny(tmp_path, "h", "train.steps=3"), resume=True).start_step == 2
+
+
+def test_an_ssd_directory_the_run_cannot_write_is_refused_by_its_key(tmp_path):
+    """A ``model.cache.dir`` under a file, or not writable, failed as a bare OSError
+    ("[Errno 20] Not a directory") naming no setting, with the exit status of a failed
+    run rather than of bad input."""
+    (tmp_path / "afile").write_text("x")
+    bad = str(tmp_path / "afile" / "sub")
+    with pytest.raises(
+        ValueError,
+        match=r"model\.cache\.dir='.*afile/sub': the ssd placement cannot write its files "
+        r"there \(Not a directory\)",
+    ):
+        train(tiny(tmp_path, "a", "train.steps=1", f"model.cache.dir={bad}"))
