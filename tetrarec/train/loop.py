@@ -112,6 +112,8 @@ class TrainResult:
             also linked as ``<dir>/best``), if checkpoints are written.
         stopped_early: the run stopped at ``steps`` by ``train.early_stop_patience``,
             before the planned number of steps.
+        cache: the cached tables' counters summed over this process's training steps
+            (this rank's shards when sharded); ``None`` without a cached table.
     """
 
     steps: int
@@ -124,6 +126,7 @@ class TrainResult:
     best: BestEval | None = None
     best_checkpoint: str | None = None
     stopped_early: bool = False
+    cache: CacheStats | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values for the JSON summary."""
@@ -141,6 +144,17 @@ class TrainResult:
             else {"metric": best.metric.value, "step": best.step, **best.metrics.to_dict()},
             "best_checkpoint": self.best_checkpoint,
             "stopped_early": self.stopped_early,
+            "cache": None
+            if self.cache is None
+            else {
+                "hit_rate": self.cache.hit_rate,
+                "hits": self.cache.hits,
+                "misses": self.cache.misses,
+                "evictions": self.cache.evictions,
+                "write_backs": self.cache.write_backs,
+                "capacity": self.cache.capacity,
+                "occupied": self.cache.occupied,
+            },
         }
 
     def best_summary(self) -> str | None:
@@ -366,6 +380,7 @@ class _Run:
         self.best_path: Path | None = None
         self.stopped_early = False
         self.cache_seen: CacheStats | None = None  # cache counters at the last log
+        self.cache_start: CacheStats | None = None  # ... when this process started
         self.loader: BatchLoader | None = None
         self.owns_group = False  # set by train()
         self.writer = _summary_writer(config.train) if self.rank == 0 else None  # last
@@ -461,6 +476,7 @@ class _Run:
     def run(self) -> TrainResult:
         tc, dc = self.config.train, self.config.data
         self.cache_seen = self._cache_total()  # counters restored by a resume excluded
+        self.cache_start = self.cache_seen
         self.loader = BatchLoader(
             self.train_ds,
             batch_size=dc.batch_size,
@@ -510,6 +526,7 @@ class _Run:
             best=self.best,
             best_checkpoint=str(self.best_path) if self.best_path else None,
             stopped_early=self.stopped_early,
+            cache=self._cache_since(self.cache_start),
         )
         if self.rank == 0:
             _log_summary(result, self.total_steps, tc.early_stop_patience)
@@ -603,10 +620,15 @@ class _Run:
 
     def _cache_interval(self) -> CacheStats | None:
         """The cache counters since the last log (hit rate of this interval)."""
-        now, before = self._cache_total(), self.cache_seen
+        interval = self._cache_since(self.cache_seen)
+        self.cache_seen = self._cache_total()
+        return interval
+
+    def _cache_since(self, before: CacheStats | None) -> CacheStats | None:
+        """The cache counters now, less ``before``'s (capacity and occupancy: now)."""
+        now = self._cache_total()
         if now is None or before is None:
             return now
-        self.cache_seen = now
         return dataclasses.replace(
             now,
             hits=now.hits - before.hits,

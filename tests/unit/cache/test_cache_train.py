@@ -184,3 +184,35 @@ def test_an_ssd_directory_the_run_cannot_write_is_refused_by_its_key(tmp_path):
         r"there \(Not a directory\)",
     ):
         train(tiny(tmp_path, "a", "train.steps=1", f"model.cache.dir={bad}"))
+
+
+def test_the_json_summary_holds_the_runs_cache_counters(tmp_path):
+    """The counters were only in the log, the progress bar and TensorBoard: a script
+    reading ``train.json`` could not see the hit rate. Lookups counted must be every id
+    of the cached tables' training batches (this process's, a resume's own steps)."""
+    import json
+
+    from tetrarec.data import BatchLoader, build_datasets
+    from tetrarec.train import build_tables
+
+    out = tmp_path / "summary.json"
+    config = tiny(tmp_path, "a", "train.steps=3", f"train.json={out}")
+    result = train(config)
+    summary = json.loads(out.read_text())["cache"]
+    assert summary == result.to_dict()["cache"]
+    train_ds, _ = build_datasets(config.data, build_tables(config.model))
+    loader = BatchLoader(train_ds, batch_size=32, shuffle=config.data.shuffle,
+                         seed=config.train.seed, prefetch=0)  # fmt: skip
+    ids = 0
+    for i, batch in enumerate(loader):
+        if i == 3:
+            break
+        ids += sum(v.numel() for k, (v, _) in batch.sparse.to_dict().items() if k in ("C1", "C2"))
+    assert summary["hits"] + summary["misses"] == ids
+    assert summary["hit_rate"] == pytest.approx(summary["hits"] / ids)
+    assert summary["capacity"] == int(0.2 * 50) + int(0.2 * 20)
+    resumed = train(tiny(tmp_path, "a", "train.steps=4", f"train.json={out}"), resume=True)
+    assert resumed.cache is not None
+    assert resumed.cache.lookups < ids  # one step's, not the restored counters too
+    uncached = RunConfig().with_overrides([*TINY, "train.steps=1"])
+    assert train(uncached).to_dict()["cache"] is None
