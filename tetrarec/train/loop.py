@@ -477,6 +477,7 @@ class _Run:
         tc, dc = self.config.train, self.config.data
         self.cache_seen = self._cache_total()  # counters restored by a resume excluded
         self.cache_start = self.cache_seen
+        self._warn_empty_caches()
         self.loader = BatchLoader(
             self.train_ds,
             batch_size=dc.batch_size,
@@ -608,6 +609,22 @@ class _Run:
             and not self._saved_now()  # a new best was just checkpointed here
         ):
             self._checkpoint()
+
+    def _warn_empty_caches(self) -> None:
+        """Say which cached tables got no slot (a fraction or budget too small for them)."""
+        stats = getattr(self.parts.model.get_submodule("embeddings"), "cache_stats", None)
+        empty = sorted(n for n, s in (stats() if callable(stats) else {}).items() if not s.capacity)
+        if empty:
+            mc = self.config.model.cache
+            size = f"fraction={mc.fraction}" if mc.fraction is not None else f"bytes={mc.bytes}"
+            where = "" if self.env is None else f"rank {self.rank}: "
+            logger.warning(
+                "%scached tables with no cache slot (model.cache.%s is under one slot for "
+                "their rows): %s train as uncached tables",
+                where,
+                size,
+                ", ".join(empty),
+            )
 
     def _cache_total(self) -> CacheStats | None:
         """All cached tables' counters summed, or ``None`` without a cached table.

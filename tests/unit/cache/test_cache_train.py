@@ -216,3 +216,19 @@ def test_the_json_summary_holds_the_runs_cache_counters(tmp_path):
     assert resumed.cache.lookups < ids  # one step's, not the restored counters too
     uncached = RunConfig().with_overrides([*TINY, "train.steps=1"])
     assert train(uncached).to_dict()["cache"] is None
+
+
+def test_a_cache_size_under_one_slot_is_said(tmp_path, caplog):
+    """``bytes = 1`` (or a fraction under one row) built caches of 0 slots without a
+    word: the run trained its "cached" tables uncached."""
+    caplog.set_level(logging.WARNING, logger="tetrarec.train.loop")
+    extra = ("model.cache.fraction=none", "model.cache.bytes=1", "train.steps=1")
+    train(tiny(tmp_path, "a", *extra))
+    said = [r.getMessage() for r in caplog.records if "no cache slot" in r.getMessage()]
+    assert said == [
+        "cached tables with no cache slot (model.cache.bytes=1 is under one slot for their "
+        "rows): C1, C2 train as uncached tables"
+    ]
+    caplog.clear()
+    train(tiny(tmp_path, "b", "train.steps=1"))
+    assert not [r for r in caplog.records if "no cache slot" in r.getMessage()]
