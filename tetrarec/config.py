@@ -688,6 +688,8 @@ def config_from_dict(cls: type[_T], values: Any, where: str) -> _T:
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as e:
+        if where and str(e).startswith(f"{where}."):  # it names its key already
+            raise ValueError(str(e)) from e
         raise ValueError(f"{where or 'config'}: {e}") from e
 
 
