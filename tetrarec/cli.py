@@ -8,8 +8,10 @@
     tetrarec eval --checkpoint DIR [--data PATH ...] [--set k=v ...] [--json PATH]
                                                     (DIR may be <checkpoint_dir>/best)
     tetrarec preprocess criteo --input FILE ... --output DIR [--on-bad-line skip]
+                               [--json PATH]
     tetrarec preprocess csv|parquet --config run.toml --output FILE.parquet
                                     [--input FILE ...] [--on-bad-line skip] [--set k=v ...]
+                                    [--json PATH]
     tetrarec stats --config run.toml [--rows N] [--json PATH] [--set k=v ...]
                                                     per-feature pooling and access skew
     tetrarec plan --config run.toml --world-size N [--topology FILE|PRESET]
@@ -103,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     criteo.add_argument("--output", required=True, type=Path, metavar="DIR")
     criteo.add_argument("--on-bad-line", choices=("error", "skip"), default="error")
     criteo.add_argument("--no-progress", action="store_true")
+    criteo.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     for fmt, what in (("csv", "delimited text (plain or .gz)"), ("parquet", "parquet")):
         p = pre_sub.add_parser(
             fmt,
@@ -130,6 +133,7 @@ def _parser() -> argparse.ArgumentParser:
         )
         _add_set(p)
         p.add_argument("--no-progress", action="store_true")
+        p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
 
     # --- tetrarec stats (the planner's per-feature inputs) ---
     stats = sub.add_parser(
@@ -225,12 +229,18 @@ def _preprocess(args: argparse.Namespace) -> int:
             args.input, args.output, on_bad_line=args.on_bad_line, progress=not args.no_progress
         )
         print(summary.summary())
+        _write_json(args.json, summary.to_dict())
         return 0
     from tetrarec.config import RunConfig
 
-    data = RunConfig.from_toml(args.config).with_overrides(args.overrides).data
+    # --input stands for data.train_path, and --set is merged before the config is
+    # validated (as for train): either may give what the file leaves out.
+    overrides = list(args.overrides)
+    if args.input:
+        overrides.append(f"data.train_path={json.dumps([str(p) for p in args.input])}")
+    data = RunConfig.from_toml(args.config, overrides).data
     summary = preprocess_to_parquet(
-        args.input or data.train_path,
+        data.train_path,
         args.output,
         source=args.format,
         mapping=ColumnMapping(
@@ -243,6 +253,7 @@ def _preprocess(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     print(summary.summary())
+    _write_json(args.json, summary.to_dict())
     return 0
 
 

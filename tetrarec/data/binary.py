@@ -116,6 +116,18 @@ class PreprocessSummary:
             f"{self.bad_lines.summary()}"
         )
 
+    def to_dict(self) -> dict[str, object]:
+        """Plain data for JSON (``tetrarec preprocess --json``)."""
+        return {
+            "output": str(self.output),
+            "rows": self.rows,
+            "positives": self.positives,
+            "files": [{"path": path, "rows": rows} for path, rows in self.files],
+            "bad_lines": self.bad_lines.to_dict(),
+            "seconds": self.seconds,
+            "rows_per_s": self.rows / self.seconds if self.seconds > 0 else None,
+        }
+
 
 def _check_inputs(inputs: Sequence[str | Path], output: Path) -> list[Path]:
     if not inputs:

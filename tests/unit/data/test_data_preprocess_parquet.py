@@ -222,3 +222,30 @@ multi_hot_columns = ["t"]
     assert pq.read_table(out).num_rows == 4
     assert main([*argv[:-2], str(tmp_path / "o2.parquet")]) == 2  # on_bad_line "error"
     assert "in.tsv, line 4, field y: label is not 0 or 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path_from", ["--input", "--set"])
+def test_cli_preprocess_takes_the_path_from_input_or_set_and_writes_json(
+    tmp_path, capsys, path_from
+):
+    """A config without ``data.train_path`` failed ("train_path is needed for source
+    'csv'") whatever ``--input`` or ``--set data.train_path=...`` said: the file was
+    validated before either applied (``train`` merged first, as the README says). And
+    ``--json``, which every other command with figures has, was refused."""
+    src = tmp_path / "in.csv"
+    src.write_text(CSV_TEXT)
+    run = tmp_path / "run.toml"
+    run.write_text(
+        '[data]\nsource = "csv"\nlabel_column = "y"\ndense_columns = ["d"]\n'
+        'sparse_columns = ["u", "t", "c"]\non_bad_line = "skip"\n'
+        '[data.csv]\nmulti_hot_columns = ["t"]\n'
+    )
+    out, summary = tmp_path / "ids.parquet", tmp_path / "s.json"
+    given = ["--input", str(src)] if path_from == "--input" else ["--set", f"data.train_path={src}"]
+    argv = ["-q", "preprocess", "csv", "--config", str(run), "--output", str(out)]
+    assert main([*argv, *given, "--no-progress", "--json", str(summary)]) == 0, capsys.readouterr()
+    written = json.loads(summary.read_text())
+    assert written["rows"] == pq.read_table(out).num_rows == 4
+    assert written["positives"] == 2
+    assert written["files"] == [{"path": str(src), "rows": 4}]
+    assert written["bad_lines"]["skipped"] == 1
