@@ -646,6 +646,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ssd-mib", type=int, default=256, help="size of the SSD test file, MiB")
     ap.add_argument("--no-ssd", action="store_true", help="skip the SSD read test")
     args = ap.parse_args(argv)
+    if not args.ssd_dir.is_dir():  # its free space is the topology's ssd: say so now
+        ap.error(f"--ssd-dir {args.ssd_dir}: not a directory")
     worlds = sorted({RANKS_PER_NODE, *(int(w) for w in args.world_sizes.split(","))})
     gib, a2a_mib, iters, ssd_mib = args.gather_gib, args.a2a_mib, args.iters, args.ssd_mib
     shapes = MATMUL_SHAPES
@@ -675,9 +677,10 @@ def main(argv: list[str] | None = None) -> None:
         "table (distinct rows) and a tiny one (repeated rows), slopes over the ids",
         "  matmul_flops: a training step of a 13-512-256-64 MLP (3 x forward FLOPs / s)",
         "  collective_latency_s: a tiny table-wise sharded lookup (4 collective stages) / 4",
-        "  <group>_route_s_per_id / _per_value: sharded lookups of tiny tables per sharding "
-        "group, slopes over the ids and pooled values of what the cost model does not "
-        "predict without them (_routing.fit_routing)",
+        "  <group>_route_s_per_id / _per_value / _per_step: sharded lookups per sharding "
+        "group (256-row tables; the split group's 64k-row column blocks against an SGD "
+        "baseline), slopes over the ids and pooled values of what the cost model does "
+        "not predict without them (_routing.fit_routing)",
         f"intra_node_bandwidth: all_to_all_v on {RANKS_PER_NODE} gloo ranks of this machine "
         f"(loopback: memory copies, not a network), {a2a_mib:g} MiB/peer",
         "inter_node_bandwidth: NOT measured (one node): the intra-node figure",

@@ -841,10 +841,16 @@ def _hint(inputs: PlannerInputs, failures: Sequence[Shortfall]) -> str:
             f"{_gb(total)} would fit this world's {topo.world_size} ranks in total, but not "
             "in the pieces a rank's tiers can hold)"
         )
-    parts.append(
-        f"a lower row precision (allowed now: {', '.join(lower)}; e.g. model.precision = "
-        "'fp16' or 'int8')"
-    )
+    bits = {Precision.FP32: 32, Precision.FP16: 16, Precision.BF16: 16, Precision.INT8: 8}
+    lowest = min(bits.get(p, 4) for t in inputs.tables for p in t.precisions)
+    below = [
+        p.value for p in (Precision.FP16, Precision.INT8, Precision.INT4) if bits.get(p, 4) < lowest
+    ]
+    if below:  # none below INT4
+        parts.append(
+            f"a lower row precision (allowed now: {', '.join(lower)}; e.g. model.precision = "
+            f"{' or '.join(repr(p) for p in below)})"
+        )
     if Tier.SSD not in topo.tiers:
         parts.append("the SSD tier (set [rank] ssd and ssd_bandwidth in the topology)")
     return "; ".join(parts)

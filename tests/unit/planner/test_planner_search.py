@@ -386,3 +386,24 @@ def test_a_cached_table_on_a_machine_without_a_device_is_planned_cached(size: st
     c1 = next(t for t in report.tables if t.table == "C1")
     assert "host+host cache" in c1.reason
     assert sum(r.cache for r in report.ranks) > 0
+
+
+@pytest.mark.parametrize(
+    ("precision", "suggested"),
+    [("fp32", "'fp16' or 'int8' or 'int4'"), ("int8", "'int4'"), ("int4", None)],
+)
+def test_the_infeasible_hint_suggests_only_precisions_below_the_current(
+    precision: str, suggested: str | None
+) -> None:
+    """An INT8 model that did not fit was told to try "a lower row precision (allowed
+    now: int8; e.g. model.precision = 'fp16' or 'int8')": neither is lower."""
+    huge = TableSpec(
+        name="huge", rows=10_000_000, dim=64, features=("h",), precision=Precision(precision)
+    )
+    with pytest.raises(PlannerError) as info:
+        plan(_inputs(tables=(huge,)))
+    message = str(info.value)
+    if suggested is None:
+        assert "lower row precision" not in message
+    else:
+        assert f"e.g. model.precision = {suggested})" in message
