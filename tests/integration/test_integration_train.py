@@ -56,6 +56,7 @@ def test_real_criteo_rows_train_evaluate_and_reload(tmp_path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # 77 s alone; it hit the default 120 s beside other runs
 def test_bench_quality_smoke_reports_every_recipe_beside_the_regression(
     tmp_path, shared_data
 ) -> None:
