@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tetrarec.cache import CacheSpec
-from tetrarec.comm.ddp_hook import sum_gradients_hook
+from tetrarec.comm.ddp_hook import DenseGradients, sum_gradients_hook
 from tetrarec.kernels import FusedEmbeddingBagCollection
 from tetrarec.sharding.env import ShardingEnv
 from tetrarec.sharding.group import LookupOptions
@@ -166,8 +166,17 @@ def shard_model(
     dense = env.dense_comm or env.comm
     # The sharded collections hold no parameters (their rows are buffers, never
     # broadcast); every rank built the dense layers from the same seed (init_sync=False).
+    # One bucket of every dense gradient, reduced in parameter order (ddp_hook.py): the
+    # sums are then the same whatever order DDP lays the bucket out in, and a resumed
+    # run adds its first step's gradients as the uninterrupted run did.
+    trained = [p for p in model.parameters() if p.requires_grad]
+    size_mb = sum(p.numel() * p.element_size() for p in trained) // 2**20 + 1
     ddp = DistributedDataParallel(
-        model, process_group=dense.group, forward_sync_buffers=False, init_sync=False
+        model,
+        process_group=dense.group,
+        forward_sync_buffers=False,
+        init_sync=False,
+        bucket_cap_mb=size_mb,
     )
-    ddp.register_comm_hook(dense, sum_gradients_hook)
+    ddp.register_comm_hook(DenseGradients.of(dense, trained), sum_gradients_hook)
     return ddp
