@@ -101,6 +101,7 @@ def two_ranks(tmp_path_factory):
     scenarios = [
         Scenario("row_wise", (*TINY, "sharding.type=row_wise", "optim.sparse.kind=sgd")),
         Scenario("mixed", (*TINY, MIXED, *DENSE)),
+        Scenario("odd_eval_batch", (*TINY, MIXED, "data.eval_batch_size=95")),
         Scenario("straight", (*TINY, MIXED, *DENSE, "optim.sparse.kind=adam",
                               "model.precision=fp16", "train.checkpoint_every=3", ck("straight"))),
         Scenario("first_half", (*TINY, MIXED, *DENSE, "optim.sparse.kind=adam",
@@ -150,6 +151,20 @@ def test_sharded_training_ends_with_one_process_metrics(two_ranks, name, extra):
     results, _ = two_ranks
     ref = one_process(*extra)["final"]
     for rank, res in enumerate(results[name]):
+        assert res["ok"], res
+        got = res["final"]
+        assert got["num_samples"] == ref["num_samples"] == 289, rank
+        assert abs(got["log_loss"] - ref["log_loss"]) < 1e-5, (rank, got, ref)
+        assert abs(got["auc"] - ref["auc"]) < 1e-4, (rank, got, ref)
+
+
+def test_an_evaluation_batch_that_does_not_divide_by_the_ranks_evaluates_every_row(two_ranks):
+    """``data.eval_batch_size`` had to divide by the ranks (the default 8192 refused 3
+    ranks), though evaluation splits its last, partial batch anyway. Bugs caught: the
+    refusal, or a split that drops or repeats a row (the metrics would differ)."""
+    results, _ = two_ranks
+    ref = one_process(MIXED, "data.eval_batch_size=95")["final"]
+    for rank, res in enumerate(results["odd_eval_batch"]):
         assert res["ok"], res
         got = res["final"]
         assert got["num_samples"] == ref["num_samples"] == 289, rank

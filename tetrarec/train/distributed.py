@@ -78,13 +78,13 @@ def sharding_env(
         second_group(comm),
     )
     check_ranks_agree(env, {"config": config.to_dict()})
-    for key in ("batch_size", "eval_batch_size"):
-        value = getattr(config.data, key)
-        if value % env.world_size:
-            raise ValueError(
-                f"data.{key} = {value} does not split over {env.world_size} ranks: each rank "
-                "takes an equal slice of the global batch"
-            )
+    # Training batches split evenly; an evaluation batch of any size splits as evenly as
+    # it can (BatchLoader without drop_last), as its last, partial batch always did.
+    if config.data.batch_size % env.world_size:
+        raise ValueError(
+            f"data.batch_size = {config.data.batch_size} does not split over "
+            f"{env.world_size} ranks: each rank takes an equal slice of the global batch"
+        )
     return env
 
 

@@ -136,3 +136,24 @@ def test_bad_arguments():
         BatchLoader(ds, batch_size=8, rank=2, world_size=2)
     with pytest.raises(ValueError, match="no full batch"):
         BatchLoader(ds, batch_size=16)
+
+
+def test_an_evaluation_batch_that_does_not_divide_splits_over_the_ranks():
+    """A sharded run refused ``data.eval_batch_size`` not divisible by the ranks (the
+    default 8192 refused 3, 5, 6 and 7 ranks), though evaluation splits any batch: its
+    last, partial one always was. Training batches still must divide. Every row of
+    every batch is read by exactly one rank, slices within a row of each other."""
+    ds = dataset(23)
+    with pytest.raises(ValueError, match="does not split over 3 ranks"):
+        BatchLoader(ds, batch_size=10, world_size=3, drop_last=True)
+    loaders = [
+        BatchLoader(ds, batch_size=10, rank=r, world_size=3, drop_last=False, epochs=1, prefetch=0)
+        for r in range(3)
+    ]
+    for number in range(3):  # batches of 10, 10 and 3 rows
+        parts = [ld.rank_indices(number) for ld in loaders]
+        assert sorted(np.concatenate(parts).tolist()) == list(
+            range(10 * number, min(10 * number + 10, 23))
+        )
+        sizes = [p.size for p in parts]
+        assert max(sizes) - min(sizes) <= 1
