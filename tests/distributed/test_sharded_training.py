@@ -131,6 +131,7 @@ def two_ranks(tmp_path_factory):
         Scenario("block_not_dividing", (*TINY, "sharding.type=column_wise",
                                         "sharding.column_block=3")),
         Scenario("plan_for_3_ranks", (*TINY, f"sharding.plan={tmp / 'plan3.json'}")),
+        Scenario("missing_stats", (*TINY, f"sharding.stats={tmp / 'nope.json'}")),
     ]  # fmt: skip
     results = run_ranks(train_worker, world_size=2, args=(scenarios,), timeout_s=540)
     return {sc.name: [r[i] for r in results] for i, sc in enumerate(scenarios)}, tmp
@@ -238,10 +239,14 @@ def test_sharded_keep_best_and_early_stop_agree_on_every_rank(two_ranks):
     ("name", "message"),
     [
         ("other_plan_on_resume", "resuming with another world size or plan is not supported"),
+        # it said only "plan 5d39d124cfe4bd19 ... plan ba9237a85dd8935d", not what differs
+        ("other_plan_on_resume", "(table 'C2': sharding column_wise then, row_wise now)"),
         ("rank_1_other_config", "rank 1 differs from rank 0 in config.optim.sparse.lr"),
         ("unknown_table", "names tables ['nope'] that the model does not have"),
         ("block_not_dividing", "the column block size 3 does not divide its dim 8"),
         ("plan_for_3_ranks", "the sharding plan was made for 3 ranks"),
+        # was "[Errno 2] No such file or directory: ...", naming no setting
+        ("missing_stats", "sharding.stats="),
     ],
 )
 def test_bad_input_fails_on_every_rank_with_a_clear_error(two_ranks, name, message):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
@@ -172,7 +173,10 @@ def _planned(config: RunConfig, env: ShardingEnv) -> ShardingPlan:
     topology = Topology.resolve(config.sharding.topology).resized(
         env.world_size, env.local_world_size
     )
-    plan, report = make_planned(inputs_from_config(config, topology, config.sharding.stats))
+    stats = config.sharding.stats
+    if stats is not None and not Path(stats).is_file():
+        raise ValueError(f"sharding.stats={stats!r}: no such file (write one with tetrarec stats)")
+    plan, report = make_planned(inputs_from_config(config, topology, stats))
     if env.rank == 0:
         logger.info("no sharding.type or sharding.plan: the planner's plan\n%s", report.describe())
     return plan

@@ -341,6 +341,27 @@ def _check_same_layout(data: CheckpointData, parts: RunParts, path: str | Path) 
         raise ValueError(
             f"{path} was written with {saved['world_size']} ranks and plan "
             f"{saved['fingerprint']}, this run has {env.world_size} ranks and plan "
-            f"{plan.fingerprint()}: resuming with another world size or plan is not "
-            "supported yet (resharding a checkpoint is a later feature)"
+            f"{plan.fingerprint()} ({_plan_difference(saved['plan'], plan.to_dict())}): "
+            "resuming with another world size or plan is not supported yet (resharding a "
+            "checkpoint is a later feature)"
         )
+
+
+def _plan_difference(was: dict[str, Any], now: dict[str, Any]) -> str:
+    """What differs between two plans' dicts, briefly: the first of world size, ranks per
+    node (``sharding.local_world_size``), the tables' names, the first table that differs."""
+    for key, setting in (("world_size", "ranks"), ("local_world_size", "ranks per node")):
+        if was.get(key) != now.get(key):
+            return f"{setting}: {was.get(key)} then, {now.get(key)} now"
+    tables_was = {t["table"]: t for t in was.get("tables", [])}
+    tables_now = {t["table"]: t for t in now.get("tables", [])}
+    if set(tables_was) != set(tables_now):
+        return f"tables: {sorted(tables_was)} then, {sorted(tables_now)} now"
+    for name, t in tables_now.items():
+        old = tables_was[name]
+        for key in ("sharding", "placement", "shards"):
+            if old.get(key) != t.get(key):
+                if key == "shards":
+                    return f"table {name!r}: its shards differ"
+                return f"table {name!r}: {key} {old.get(key)} then, {t.get(key)} now"
+    return "the plans differ"

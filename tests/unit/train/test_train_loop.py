@@ -161,6 +161,9 @@ def test_settings_that_cannot_work_fail_before_training(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"train\.json=.* is a directory"):
         train(tiny(tmp_path / "c", "train.steps=1", f"train.json={tmp_path}"))
     (tmp_path / "afile").write_text("")  # once "[Errno 17] File exists", naming no key
+    # a summary under a file failed the same way, after the whole run
+    with pytest.raises(ValueError, match=r"train\.json=.*afile/s\.json'.*afile' is a file"):
+        train(tiny(tmp_path / "e", "train.steps=1", f"train.json={tmp_path / 'afile' / 's.json'}"))
     with pytest.raises(ValueError, match=r"train\.checkpoint_dir=.*afile' is a file"):
         train(tiny(tmp_path / "afile", "train.steps=1"))
     with pytest.raises(ValueError, match=r"model\.cache\.dir=.*afile' is a file"):
