@@ -348,8 +348,10 @@ def _check_same_layout(data: CheckpointData, parts: RunParts, path: str | Path) 
 
 
 def _plan_difference(was: dict[str, Any], now: dict[str, Any]) -> str:
-    """What differs between two plans' dicts, briefly: the first of world size, ranks per
-    node (``sharding.local_world_size``), the tables' names, the first table that differs.
+    """What differs between two plans' dicts, briefly.
+
+    The first of: world size, ranks per node (``sharding.local_world_size``), the tables'
+    names, the first table that differs.
     """
     for key, setting in (("world_size", "ranks"), ("local_world_size", "ranks per node")):
         if was.get(key) != now.get(key):
