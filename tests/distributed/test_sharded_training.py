@@ -7,6 +7,7 @@ One spawn of 2 ranks runs every scenario in turn (each is a whole ``train`` call
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -433,3 +434,28 @@ def test_resuming_at_three_ranks_is_bitwise_equal_to_an_uninterrupted_run(tmp_pa
         assert ta.keys() == tb.keys(), f
         for k in ta:
             assert torch.equal(ta[k], tb[k]), (f, k)
+
+
+@pytest.mark.timeout(600)
+def test_torchrun_runs_the_command_end_to_end_and_every_rank_exits_0(tmp_path):
+    """``torchrun --standalone --nproc-per-node 2 -m tetrarec train``: the command as a
+    user runs it, through to the ranks' exit (a completed run waits for every rank
+    before it leaves the process group; a rank once aborted there). Bugs caught: a rank
+    exiting non-zero after a good run, the summary printed by every rank, no JSON."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "summary.json"
+    sets = [x for kv in (*TINY, "sharding.type=row_wise") for x in ("--set", kv)]
+    example = Path(__file__).parents[2] / "examples" / "dlrm_dcnv2_small.toml"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "tetrarec", "-q", "train", "--config", str(example),
+        *sets, "--set", "model.dlrm.arch=dlrm", "--json", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr
+    assert proc.stdout.count("samples/s") == 1  # rank 0 prints the summary
+    assert json.loads(out.read_text())["steps"] == 6

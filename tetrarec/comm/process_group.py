@@ -144,7 +144,15 @@ def joined_backend() -> str | None:
     return str(dist.get_backend()) if dist.is_initialized() else None
 
 
-def destroy() -> None:
-    """Leave the process group, if one was joined."""
+def destroy(*, barrier: bool = False) -> None:
+    """Leave the process group, if one was joined.
+
+    Args:
+        barrier: first wait until every rank is here (a run that completed; never after
+            a failure, when a peer may be gone and the barrier would wait for it until
+            the group's timeout).
+    """
     if dist.is_initialized():
+        if barrier and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()

@@ -252,9 +252,12 @@ def train(
         try:
             if resume:
                 run.resume()
-            return run.run()
-        finally:
-            run.close()
+            result = run.run()
+        except BaseException:
+            run.close(completed=False)  # other ranks may be gone: no barrier
+            raise
+        run.close(completed=True)
+        return result
 
 
 def _settings(values: dict[str, Any]) -> str:
@@ -746,13 +749,19 @@ class _Run:
         )
         logger.info("checkpoint %s", self.last_checkpoint)
 
-    def close(self) -> None:
+    def close(self, *, completed: bool) -> None:
+        """Stop the loader and writer; leave the process group this run joined.
+
+        After a completed run every rank waits for the others first (``completed``), so
+        that none tears its connections down while a peer still uses them (a rank
+        once aborted at exit, "terminate called without an active exception").
+        """
         if self.loader is not None:
             self.loader.close()
         if self.writer is not None:
             self.writer.close()
         if self.owns_group:
-            destroy()
+            destroy(barrier=completed)
 
 
 def _log_summary(result: TrainResult, planned: int, patience: int) -> None:
