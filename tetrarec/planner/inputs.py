@@ -19,6 +19,7 @@ costs ``2ab`` per sample forward)::
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from tetrarec.types import OptimizerKind, Precision
 if TYPE_CHECKING:
     from tetrarec.config import RunConfig
     from tetrarec.models.config import DLRMConfig
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "AccessStats",
@@ -313,6 +316,18 @@ def inputs_from_config(
 
     per_feature = load_stats(stats) if stats is not None else {}
     configs = build_tables(config.model)
+    features = [f for t in configs for f in t.feature_names]
+    missing = [f for f in features if f not in per_feature]
+    if stats is not None and missing:
+        logger.warning(
+            "the stats file has no statistics for %d of the run's %d features (%s%s): they "
+            "get the defaults (pooling 1, uniform access)%s",
+            len(missing),
+            len(features),
+            ", ".join(missing[:5]),
+            ", ..." if len(missing) > 5 else "",
+            "; was it written for another config?" if len(missing) == len(features) else "",
+        )
     kind = config.optim.sparse.kind
     fixed = fixed_placements(config.model, kind)
     tables = tuple(

@@ -429,7 +429,7 @@ def _reason(
         cap = inputs.topology.rank.capacity(fast)
         why = (
             f"{head}: {_gb(_table_bytes(table))} does not fit one rank's free {fast.value} "
-            f"memory ({_gb(cap)} per rank)"
+            f"memory (of {_gb(cap)} per rank, with what is placed before it)"
         )
     else:
         why = f"{head}: fastest of {n} fitting candidates"

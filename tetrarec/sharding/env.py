@@ -39,7 +39,8 @@ class ShardingEnv:
         if self.local_world_size < 1 or self.comm.world_size % self.local_world_size:
             raise ValueError(
                 f"world size {self.comm.world_size} is not a multiple of the ranks per node "
-                f"{self.local_world_size}"
+                f"{self.local_world_size} (sharding.local_world_size, or torchrun's "
+                "LOCAL_WORLD_SIZE)"
             )
 
     @classmethod

@@ -91,3 +91,21 @@ def test_plan_errors_are_one_line(capsys, tmp_path) -> None:  # type: ignore[no-
         assert "matplotlib" in capsys.readouterr().err
     else:
         pytest.skip("matplotlib is installed")
+
+
+def test_a_stats_file_missing_the_runs_features_is_said(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A stats file written for another config (none of its features in this run) was
+    used silently: every table got the defaults, and the plan no skew at all."""
+    import logging
+
+    from tetrarec.config import RunConfig
+    from tetrarec.planner import Topology, inputs_from_config
+
+    stats = tmp_path / "stats.json"
+    stats.write_text(json.dumps({"rows_sampled": 1, "batch_size": 1, "features": {}}))
+    caplog.set_level(logging.WARNING, logger="tetrarec.planner.inputs")
+    config = RunConfig.from_toml(str(EXAMPLE))
+    inputs_from_config(config, Topology.resolve("this-machine"), stats)
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert message.startswith("the stats file has no statistics for 26 of the run's 26")
+    assert message.endswith("was it written for another config?")
