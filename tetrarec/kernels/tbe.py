@@ -10,7 +10,11 @@ one ``tetrarec::tbe_forward`` call per store; backward is one
 ``tetrarec::tbe_backward_update`` call per store, which sums the gradient of each touched
 row and applies the optimizer to that row and its state in place. No gradient the size
 of a table ever exists and the trainer builds no sparse optimizer
-(``fused_optimizer = True``).
+(``fused_optimizer = True``). So every backward through a forward is one optimizer
+step: a loss built from two forwards takes two steps (for Adagrad or Adam not the one
+step of their summed gradient), and so does a backward run twice (``retain_graph``) or
+``torch.autograd.grad`` through the output. ``model.eval()`` does not stop it;
+``torch.no_grad()`` (no backward) does.
 
 The module's state dict holds the rows; its optimizer (``fused_optimizer``, a
 ``FusedOptimizer`` with the ``torch.optim`` surface) holds the optimizer state. Both are
