@@ -181,11 +181,11 @@ class ShardedGroup(nn.Module):
             and where.placement in (Placement.CACHED, Placement.SSD)
         }
         if cached:
-            # each rank caches its own shards, at the plan's fraction of their rows; on
-            # an accelerator the slots live in its memory and the backing rows in host
-            # memory, and the uncached shards stay in its memory ("device")
-            # The plan's fractions are the only size: a byte budget is the config's for
-            # the tables together (turned into fractions by the run), not this group's.
+            # each rank caches its own shards, at the plan's fraction of their rows (the
+            # only size: a byte budget is the config's for the tables together, turned
+            # into fractions by the run, not this group's); on an accelerator the slots
+            # live in its memory and the backing rows in host memory, and the uncached
+            # shards stay in its memory ("device")
             fractions = {n: w.cache_fraction for n, w in cached.items()}
             given = options.cache or CacheSpec(fraction=0.0)
             spec = dataclasses.replace(given, fraction=0.0, bytes=None)

@@ -406,14 +406,15 @@ class _Run:
         path = latest_checkpoint(root) if root else None
         if path is None:
             raise ValueError(f"resume: no checkpoint in train.checkpoint_dir={root!r}")
-        saved = read_meta(path).get("config", {}).get("data", {}).get("batch_size")
+        meta = read_meta(path)
+        saved = meta.get("config", {}).get("data", {}).get("batch_size")
         if saved is not None and saved != self.config.data.batch_size:
             raise ValueError(
                 f"resume: {path} was trained with data.batch_size={saved}, this run has "
                 f"{self.config.data.batch_size}: its data position counts batches of {saved}, "
                 "so resume with that batch size (or start a new run)"
             )
-        self._check_same_cache(path)
+        self._check_same_cache(path, meta.get("config", {}).get("model", {}))
         self.step, position = load_run_state(path, self.parts)
         self.train_ds, self.eval_ds = restore_dense_transform(path, self.train_ds, self.eval_ds)
         if position != self.step:
@@ -426,19 +427,18 @@ class _Run:
             )
         self.start_step = self.step
         self.last_checkpoint = path
-        self._resume_best(path)
+        self._resume_best(path, meta.get("best"))
         logger.info("resumed from %s at step %d", path, self.step)
 
-    def _check_same_cache(self, path: Path) -> None:
+    def _check_same_cache(self, path: Path, saved: dict[str, Any]) -> None:
         """Refuse a resume whose caches are of another policy or size than the saved ones.
 
         A checkpoint holds each cache's slots and policy state as that policy and size
         left them: restored under another policy they would be kept as they are (an LRU
         cache's rows "pinned" by ``static``, while the log named other rows), and under
         another size they do not fit. A checkpoint of uncached tables has no caches to
-        restore (its tables may start caching).
+        restore (its tables may start caching). ``saved``: the checkpoint's model config.
         """
-        saved = read_meta(path).get("config", {}).get("model", {})
         placed = saved.get("placement", "host")
         placed = placed if isinstance(placed, list) else [placed]
         mine = self.config.model
@@ -457,11 +457,10 @@ class _Run:
                 "and size, so resume with the same [model.cache] settings (or start a new run)"
             )
 
-    def _resume_best(self, path: Path) -> None:
-        """Take the best-so-far state from the checkpoint's meta (same metric only)."""
+    def _resume_best(self, path: Path, saved: dict[str, Any] | None) -> None:
+        """Take the best-so-far state ``saved`` in the checkpoint's meta (same metric only)."""
         if self.best is None:
             return
-        saved = read_meta(path).get("best")
         if saved is None or saved["metric"] != self.best.metric.value:
             logger.info(
                 "resume: %s holds no best %s so far; tracking it from here",
@@ -537,7 +536,7 @@ class _Run:
             best=self.best,
             best_checkpoint=str(self.best_path) if self.best_path else None,
             stopped_early=self.stopped_early,
-            cache=self._cache_since(self.cache_start),
+            cache=self._cache_since(self.cache_start, self._cache_total()),
         )
         if self.rank == 0:
             _log_summary(result, self.total_steps, tc.early_stop_patience)
@@ -620,10 +619,14 @@ class _Run:
         ):
             self._checkpoint()
 
+    def _cache_stats(self) -> dict[str, CacheStats]:
+        """``{table: counters}`` of the cached tables (this rank's shards); ``{}`` if none."""
+        stats = getattr(self.parts.model.get_submodule("embeddings"), "cache_stats", None)
+        return stats() if callable(stats) else {}
+
     def _warn_empty_caches(self) -> None:
         """Say which cached tables got no slot (a fraction or budget too small for them)."""
-        stats = getattr(self.parts.model.get_submodule("embeddings"), "cache_stats", None)
-        empty = sorted(n for n, s in (stats() if callable(stats) else {}).items() if not s.capacity)
+        empty = sorted(n for n, s in self._cache_stats().items() if not s.capacity)
         if empty:
             mc = self.config.model.cache
             size = f"fraction={mc.fraction}" if mc.fraction is not None else f"bytes={mc.bytes}"
@@ -641,19 +644,17 @@ class _Run:
 
         Sharded: this rank's cached shards (rank 0 logs them), ``None`` without any.
         """
-        stats = getattr(self.parts.model.get_submodule("embeddings"), "cache_stats", None)
-        tables = stats() if callable(stats) else {}
+        tables = self._cache_stats()
         return CacheStats.total(tables.values()) if tables else None
 
     def _cache_interval(self) -> CacheStats | None:
         """The cache counters since the last log (hit rate of this interval)."""
-        interval = self._cache_since(self.cache_seen)
-        self.cache_seen = self._cache_total()
-        return interval
+        now, before = self._cache_total(), self.cache_seen
+        self.cache_seen = now
+        return self._cache_since(before, now)
 
-    def _cache_since(self, before: CacheStats | None) -> CacheStats | None:
-        """The cache counters now, less ``before``'s (capacity and occupancy: now)."""
-        now = self._cache_total()
+    def _cache_since(self, before: CacheStats | None, now: CacheStats | None) -> CacheStats | None:
+        """The counters ``now``, less ``before``'s (capacity and occupancy: now's)."""
         if now is None or before is None:
             return now
         return dataclasses.replace(
