@@ -92,9 +92,30 @@ MUTANTS = [
     Mutant(
         "int_bias_from_max",
         TBE,
-        "half_bits((hi - lo) / static_cast<float>(kLevels)), half_bits(lo)}",
-        "half_bits((hi - lo) / static_cast<float>(kLevels)), half_bits(lo + (hi - lo) / 64.0f)}",
+        "uint16_t b = half_bits(lo);",
+        "uint16_t b = half_bits(lo + (hi - lo) / 64.0f);",
         "integer row bias is off by a fraction of a step",
+    ),
+    Mutant(
+        "int_grid_bias_to_nearest",
+        TBE,
+        "if (half_value(b) - lo > tol) {",
+        "if (half_value(b) - lo > 1e30f) {",
+        "integer row bias rounded to nearest: the row's min can fall below the grid",
+    ),
+    Mutant(
+        "int_grid_scale_to_nearest",
+        TBE,
+        "if (hi - (bv + levels * half_value(s)) > tol)",
+        "if (hi - (bv + levels * half_value(s)) > 1e30f)",
+        "integer row scale rounded to nearest: the row's max can fall above the grid",
+    ),
+    Mutant(
+        "int_grid_no_saturation",
+        TBE,
+        "lo = std::min(std::max(lo, -65504.0f), 65504.0f);",
+        "lo = lo;",
+        "integer rows past FP16's range get an inf bias",
     ),
     Mutant(
         "fp16_nearest_truncates",
@@ -207,8 +228,8 @@ MUTANTS = [
     Mutant(
         "adam_beta2_in_first_moment",
         BWD,
-        "m[d] += (1.0f - b1) * (g[d] - m[d]);",
-        "m[d] += (1.0f - b2) * (g[d] - m[d]);",
+        "m[d] += omb1 * (g[d] - m[d]);",
+        "m[d] += omb2 * (g[d] - m[d]);",
         "Adam's first moment decays with beta2",
     ),
     Mutant(
@@ -221,8 +242,8 @@ MUTANTS = [
     Mutant(
         "rowwise_adam_sum_not_mean",
         BWD,
-        "(1.0f - b2) * (sum_squares(g, D) / static_cast<float>(D));",
-        "(1.0f - b2) * sum_squares(g, D);",
+        "omb2 * (sum_squares(g, D) / static_cast<float>(D));",
+        "omb2 * sum_squares(g, D);",
         "row-wise Adam's second moment takes the sum of g^2, not the mean",
     ),
     # -- duplicate merging, pooling and per-id weights -----------------------------------

@@ -65,12 +65,14 @@ class TableConfig:
         object.__setattr__(self, "pooling", PoolingMode.parse(self.pooling))
         object.__setattr__(self, "precision", Precision.parse(self.precision))
         if self.init_bound is not None:
-            # FP16 rows start rounded to nearest: past its largest value they would be inf.
-            top = 65504.0 if self.precision is Precision.FP16 else math.inf
+            # FP16 rows start rounded to nearest: past its largest value they would be inf;
+            # INT8/INT4 rows keep their scale and bias in FP16 and saturate there.
+            fp16_range = self.precision in (Precision.FP16, Precision.INT8, Precision.INT4)
+            top = 65504.0 if fp16_range else math.inf
             if not 0 <= self.init_bound < math.inf or self.init_bound > top:
                 raise ValueError(
-                    f"table {self.name!r}: init_bound must be finite, >= 0 and, for FP16 "
-                    f"rows, <= 65504; got {self.init_bound}"
+                    f"table {self.name!r}: init_bound must be finite, >= 0 and, for FP16, "
+                    f"INT8 and INT4 rows, <= 65504; got {self.init_bound}"
                 )
 
     @property

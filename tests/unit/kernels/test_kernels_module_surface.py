@@ -212,9 +212,11 @@ def test_a_bad_init_bound_is_refused_by_the_table(bound: float) -> None:
         TableConfig(name="t", num_embeddings=4, dim=2, init_bound=bound)
 
 
-def test_an_fp16_init_bound_past_its_range_is_refused() -> None:
-    """FP16 rows start rounded to nearest: a bound of 1e6 gave inf rows."""
-    TableConfig(name="t", num_embeddings=4, dim=2, precision="fp16", init_bound=60000.0)
-    with pytest.raises(ValueError, match=r"for FP16 rows, <= 65504; got 1000000\.0"):
-        TableConfig(name="t", num_embeddings=4, dim=2, precision="fp16", init_bound=1e6)
+@pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])
+def test_an_init_bound_past_fp16s_range_is_refused(precision: str) -> None:
+    """FP16 rows start rounded to nearest, INT8/INT4 rows keep an FP16 scale and bias: a
+    bound of 1e6 gave inf rows (INT8: -inf and NaN)."""
+    TableConfig(name="t", num_embeddings=4, dim=2, precision=precision, init_bound=60000.0)
+    with pytest.raises(ValueError, match=r"for FP16, INT8 and INT4 rows, <= 65504; got 1000000\.0"):
+        TableConfig(name="t", num_embeddings=4, dim=2, precision=precision, init_bound=1e6)
     TableConfig(name="t", num_embeddings=4, dim=2, precision="bf16", init_bound=1e6)

@@ -222,10 +222,11 @@ def rounding_bound(precision, exact):
     return bound.expand_as(exact)
 
 
-def stored_scales(packed, precision, dim):
-    """FP16 scale of each packed integer row: ``[codes | scale | bias | pad]``."""
+def stored_tails(packed, precision, dim):
+    """FP16 scale and bias of each packed integer row: ``[codes | scale | bias | pad]``."""
     payload = (dim * precision.bits + 7) // 8
-    return packed[:, payload : payload + 2].contiguous().view(torch.float16).double().flatten()
+    tail = packed[:, payload : payload + 4].contiguous().view(torch.float16).double()
+    return tail[:, 0], tail[:, 1]
 
 
 # -- the test ---------------------------------------------------------------------------
@@ -276,8 +277,15 @@ def run_and_compare(name, precision, *, weighted, mean_u, seed=0):
                 torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-6, msg=where)
             if prec.is_integer:
                 levels = (1 << prec.bits) - 1
-                quantum = (exact.amax(1) - exact.amin(1)) / levels
-                scale = stored_scales(after[f"weights.{t.name}"][touched], prec, t.dim)
+                # the grid bias + q * scale covers the row (bias: the min rounded down,
+                # scale: rounded up), one FP16 step wide at most on each side
+                lo, hi = exact.amin(1), exact.amax(1)
+                scale, bias = stored_tails(after[f"weights.{t.name}"][touched], prec, t.dim)
+                fp32 = 1e-6 * (exact.abs().amax(1) + 1e-3)  # the kernel computes in FP32
+                assert (bias <= lo + fp32).all(), where
+                assert (bias + levels * scale >= hi - fp32).all(), where
+                assert (bias >= lo - 2 * half_ulp16(lo)).all(), where
+                quantum = (hi - bias) / levels
                 torch.testing.assert_close(scale, quantum, rtol=2e-3, atol=1e-7, msg=where)
             for n in STATE_NAMES[name]:
                 torch.testing.assert_close(

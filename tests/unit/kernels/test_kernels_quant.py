@@ -214,3 +214,90 @@ def test_no_rows_round_trip(precision: Precision, dim: int) -> None:
     packed = quantize_rows(empty, precision)
     assert packed.shape == (0, precision.row_bytes(dim))
     assert dequantize_rows(packed, precision, dim).shape == (0, dim)
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize(
+    "row",
+    [
+        [-0.10004, -0.0498, -0.00036, 0.02005, 0.10011],  # min and max between FP16 values
+        [1.0, 1.02, 1.04981, 1.10001],  # far from 0: the FP16 bias is coarse
+        [0.5],  # dim 1: every value in the bias
+        [0.5, 0.5, 0.5, 0.5],  # all equal: scale 0
+        [-0.3, -0.3, -0.3],
+    ],
+)
+def test_small_updates_of_a_rows_min_max_or_constant_value_act_in_expectation(
+    kernel_path, precision, row
+):
+    """One SGD step of +delta on many equal rows: every column, its min and max included,
+    moves by delta on average.
+
+    Bugs it catches: the FP16 bias and scale rounded to nearest, so that a row's min or
+    max falls outside its grid and is clamped to the end code (the update of the min was
+    22% too large, that of the max lost, that of a constant row - scale 0, its value in
+    the bias alone - always lost).
+    """
+    rows, prec = 8192, Precision.parse(precision)
+    start = torch.tensor(row).repeat(rows, 1)
+    dim = start.shape[1]
+    table = TableConfig(name="t", num_embeddings=rows, dim=dim, precision=precision)
+    delta = 1e-4
+    ebc = FusedEmbeddingBagCollection([table], SparseOptimizerSpec(kind="sgd", lr=delta), seed=3)
+    packed = encode_rows(start, prec, stochastic=False)
+    ebc.load_state_dict({"weights.t": packed})
+    before = decode_rows(packed, prec, dim)
+    sf = SparseFeatures.from_lists({"t": [[i] for i in range(rows)]})
+    (-ebc(sf).values.sum()).backward()  # w += delta
+    after = ebc.table_weights()["t"]
+    change = (after - before).mean(0)
+    stderr = (after - before).std(0) / rows**0.5
+    assert ((change - delta).abs() <= 0.1 * delta + 5 * stderr).all(), change / delta
+
+
+@pytest.mark.parametrize("precision", [Precision.INT8, Precision.INT4])
+def test_integer_grid_covers_the_row_and_saturates_at_the_fp16_range(precision):
+    """The FP16 bias is at or below the row's min, bias + levels * scale at or above its
+    max (each at most one FP16 step further), and a row past +-65504 saturates there.
+
+    Bugs it catches: bias or scale rounded to nearest (the ends fall outside); a bias or
+    scale that overflows FP16 (the row was all inf or NaN after a large update).
+    """
+    gen = torch.Generator().manual_seed(0)
+    mags = torch.tensor([1e-3, 0.1, 1.0, 37.0, 3000.0]).repeat_interleave(200)
+    x = (torch.rand(mags.numel(), 6, generator=gen) - 0.3) * mags[:, None]
+    x[::7] += mags[::7, None]  # rows far from 0 for their width
+    packed = quantize_rows(x, precision)
+    payload = (6 * precision.bits + 7) // 8
+    tail = packed[:, payload : payload + 4].clone().view(torch.float16).float()
+    scale, bias = tail[:, 0], tail[:, 1]
+    lo, hi = x.amin(1), x.amax(1)
+    slack = torch.maximum(lo.abs(), hi.abs()) * 2.0**-20
+    levels = (1 << precision.bits) - 1
+    assert (bias <= lo + slack).all()
+    assert (bias + levels * scale >= hi - slack).all()
+    half_step = (lo.abs() * 2.0**-10).clamp(min=2.0**-24)  # one FP16 step, generously
+    assert (bias >= lo - half_step).all()
+    big = torch.tensor([[1e8, -0.5, 0.06, -1e9]])
+    back = dequantize_rows(quantize_rows(big, precision), precision, 4)
+    assert torch.isfinite(back).all()
+    assert back[0, 0] >= 65504
+    assert back[0, 3] <= -65504
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_a_huge_update_saturates_an_integer_row_instead_of_making_it_nan(kernel_path, precision):
+    """One SGD step of 1e8 on one element of an INT8/INT4 row: the row stays finite, that
+    element at FP16's top, as an FP16 row saturates.
+
+    Bug it catches: the FP16 scale and bias computed from an unclamped min and max (inf
+    past 65504): the whole row decoded as NaN.
+    """
+    table = TableConfig(name="t", num_embeddings=2, dim=4, precision=precision)
+    ebc = FusedEmbeddingBagCollection([table], SparseOptimizerSpec(kind="sgd", lr=1.0), seed=0)
+    out = ebc(SparseFeatures.from_lists({"t": [[0]]})).values
+    out.backward(torch.tensor([[-1e8, 0.0, 0.0, 1e9]]))  # w -= grad
+    row = ebc.table_weights()["t"][0]
+    assert torch.isfinite(row).all(), row
+    assert row[0] >= 65504, row
+    assert row[3] <= -65504, row

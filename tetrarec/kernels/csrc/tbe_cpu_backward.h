@@ -75,18 +75,21 @@ inline void apply_rule(const BackwardArgs& A, int64_t t, int64_t row, int64_t D,
       float* v = A.state[1] + A.state_off[1][t] + row * (rowwise ? 1 : D);
       float* step = A.state[2] + A.state_off[2][t] + row;
       *step += 1.0f;
-      const float b1 = static_cast<float>(A.beta1), b2 = static_cast<float>(A.beta2);
+      // 1 - beta rounded once from the double, as optim_rules.py's lerp_ weight and add_
+      // alpha are (1.0f - 0.999f is 0.00100004673: (1 - beta2) off by 5e-5 of itself).
+      const float b2 = static_cast<float>(A.beta2);
+      const float omb1 = static_cast<float>(1.0 - A.beta1), omb2 = static_cast<float>(1.0 - A.beta2);
       const double bc1 = 1.0 - std::pow(A.beta1, static_cast<double>(*step));
       const float bc2s = static_cast<float>(std::sqrt(1.0 - std::pow(A.beta2, static_cast<double>(*step))));
       const float step_size = static_cast<float>(A.lr / bc1);
-      if (rowwise) *v = *v * b2 + (1.0f - b2) * (sum_squares(g, D) / static_cast<float>(D));
+      if (rowwise) *v = *v * b2 + omb2 * (sum_squares(g, D) / static_cast<float>(D));
       for (int64_t d = 0; d < D; ++d) {
-        m[d] += (1.0f - b1) * (g[d] - m[d]);
+        m[d] += omb1 * (g[d] - m[d]);
         float vd;
         if (rowwise) {
           vd = *v;
         } else {
-          v[d] = v[d] * b2 + (1.0f - b2) * (g[d] * g[d]);
+          v[d] = v[d] * b2 + omb2 * (g[d] * g[d]);
           vd = v[d];
         }
         w[d] -= m[d] / (std::sqrt(vd) / bc2s + A.eps) * step_size;
