@@ -470,7 +470,9 @@ class _Run:
             return
         self.best = BestEval.from_dict(saved)
         root = path.parent
-        kept = [p for p in list_checkpoints(root) if p.name == f"step_{self.best.step:08d}"]
+        # No evaluation had a finite metric yet (every one nan): no best step to find.
+        name = None if self.best.step is None else f"step_{self.best.step:08d}"
+        kept = [p for p in list_checkpoints(root) if p.name == name]
         if kept:
             self.best_path = kept[0]
             linked = best_checkpoint(root)

@@ -331,6 +331,24 @@ def test_keep_best_without_a_finite_metric_warns_and_links_nothing(tmp_path, cap
     assert any("no evaluation had a finite auc" in m for m in messages)
 
 
+def test_resume_with_no_best_yet_continues_and_still_reports_no_best(tmp_path, caplog) -> None:
+    """A ``keep_best`` run whose every evaluation was ``nan`` (no best yet), resumed.
+    Bug caught: the resume crashed formatting the saved best's step, ``None``, into a
+    checkpoint name (``TypeError: unsupported format string passed to
+    NoneType.__format__``)."""
+    ck = tmp_path / "ck"
+    one_label = [*EVERY_STEP, "data.synthetic.target_ctr=1e-9"]
+    train(tiny(ck, *one_label, "train.steps=2"))
+    caplog.set_level(logging.INFO, logger="tetrarec.train.loop")
+    resumed = train(tiny(ck, *one_label, "train.steps=4"), resume=True)
+    assert (resumed.start_step, resumed.steps) == (2, 4)
+    assert (resumed.best.step, resumed.best.metrics, resumed.best.since) == (None, None, 4)
+    assert resumed.best_checkpoint is None
+    assert best_checkpoint(ck) is None
+    assert resumed.to_dict()["best"] is None
+    assert any("no evaluation had a finite auc" in r.getMessage() for r in caplog.records)
+
+
 def test_a_cached_checkpoint_into_an_uncached_model_is_refused_by_name(tmp_path) -> None:
     """Evaluating (or resuming) a cached run's checkpoint with ``model.placement`` changed
     to ``host``: one sentence naming the tables and the setting (it was torch's list of
