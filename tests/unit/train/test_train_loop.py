@@ -91,6 +91,61 @@ def test_resumed_run_equals_uninterrupted_run_bitwise(
     assert resumed.final == straight.final
 
 
+# Optimizer settings other than the learning rates, changed from TINY's defaults.
+NEW_SETTINGS = [
+    "optim.dense_weight_decay=0.5",
+    "optim.dense_eps=0.1",
+    "optim.sparse.weight_decay=0.5",
+    "optim.sparse.eps=0.1",
+]
+
+
+@pytest.mark.parametrize(
+    ("embedding", "sparse_kind", "betas"),
+    [("reference", "rowwise_adagrad", []), ("fused", "adam", ["optim.sparse.beta1=0.5"])],
+)
+def test_a_resume_takes_the_optimizer_settings_from_its_config(
+    tmp_path, embedding, sparse_kind, betas
+) -> None:
+    """The checkpoint gives a resume its optimizers' state, the config their settings.
+    A run interrupted with its checkpoint's settings rewritten to other values resumes
+    bitwise as if never interrupted, and a run resumed with changed settings holds and
+    records them. Bug caught: loading the optimizer state copied the saved weight decay,
+    eps and betas over the config's (dense, reference sparse and fused), so a changed
+    setting was silently ignored while the new checkpoints' config recorded it."""
+    old = [f"model.embedding={embedding}", f"optim.sparse.kind={sparse_kind}", "optim.dense=adam"]
+    new = [*old, *NEW_SETTINGS, *betas]
+    straight = train(tiny(tmp_path / "a", *new, "train.steps=5"))
+    train(tiny(tmp_path / "b", *new, "train.steps=2"))
+    train(tiny(tmp_path / "c", *old, "train.steps=2"))
+    # b's checkpoint as if written with the old settings (its state is the new run's)
+    old_meta = json.loads((latest_checkpoint(tmp_path / "c") / "meta.json").read_text())
+    meta_path = latest_checkpoint(tmp_path / "b") / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    for optim in ("dense_optim", "sparse_optim"):
+        assert meta[optim]["param_groups"] != old_meta[optim]["param_groups"]
+        meta[optim]["param_groups"] = old_meta[optim]["param_groups"]
+    meta_path.write_text(json.dumps(meta))
+    _scramble_global_rngs()
+    resumed = train(tiny(tmp_path / "b", *new, "train.steps=5"), resume=True)
+    a = read_checkpoint(latest_checkpoint(tmp_path / "a"))
+    b = read_checkpoint(latest_checkpoint(tmp_path / "b"))
+    for name, tensor in a.tensors.items():
+        assert torch.equal(tensor, b.tensors[name]), name
+    assert a.meta["dense_optim"] == b.meta["dense_optim"]
+    assert a.meta["sparse_optim"] == b.meta["sparse_optim"]
+    assert resumed.final == straight.final
+    # the old run resumed with the new settings: its optimizers hold and save them
+    train(tiny(tmp_path / "c", *new, "train.steps=3"), resume=True)
+    c = read_checkpoint(latest_checkpoint(tmp_path / "c"))
+    (dense,) = c.meta["dense_optim"]["param_groups"]
+    assert (dense["weight_decay"], dense["eps"]) == (0.5, 0.1)
+    (sparse,) = c.meta["sparse_optim"]["param_groups"]
+    assert (sparse["weight_decay"], sparse["eps"]) == (0.5, 0.1)
+    if betas:
+        assert sparse["betas"][0] == 0.5
+
+
 def test_evals_checkpoints_pruning_and_json_summary(tmp_path) -> None:
     out = tmp_path / "summary.json"
     result = train(
