@@ -415,6 +415,7 @@ class _Run:
                 "so resume with that batch size (or start a new run)"
             )
         self._check_same_cache(path, meta.get("config", {}).get("model", {}))
+        self._check_same_optimizers(path, meta.get("config", {}).get("optim", {}))
         self.step, position = load_run_state(path, self.parts)
         self.train_ds, self.eval_ds = restore_dense_transform(path, self.train_ds, self.eval_ds)
         if position != self.step:
@@ -456,6 +457,26 @@ class _Run:
                 f"run has {_settings(now)}: its caches' contents are saved for that policy "
                 "and size, so resume with the same [model.cache] settings (or start a new run)"
             )
+
+    def _check_same_optimizers(self, path: Path, saved: dict[str, Any]) -> None:
+        """Refuse a resume whose optimizers are of other kinds than the saved ones.
+
+        A checkpoint holds each optimizer's state in its kind's layout (Adagrad's sums,
+        Adam's moments, none for SGD): loaded into another kind it failed at the first
+        step (``KeyError: 'exp_avg'``) or was silently dropped. Settings (learning
+        rates, weight decay, eps) may change. ``saved``: the checkpoint's optim config.
+        """
+        mine = self.config.optim
+        for key, was, now in (
+            ("optim.dense", saved.get("dense"), mine.dense.value),
+            ("optim.sparse.kind", saved.get("sparse", {}).get("kind"), mine.sparse.kind.value),
+        ):
+            if was is not None and was != now:
+                raise ValueError(
+                    f"resume: {path} was trained with {key}={was!r}, this run has {now!r}: "
+                    f"its optimizer state is that optimizer's, so resume with {key}={was!r} "
+                    "(or start a new run)"
+                )
 
     def _resume_best(self, path: Path, saved: dict[str, Any] | None) -> None:
         """Take the best-so-far state ``saved`` in the checkpoint's meta (same metric only)."""

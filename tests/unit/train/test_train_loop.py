@@ -2,6 +2,7 @@ import json
 import logging
 import math
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -225,6 +226,37 @@ def test_settings_that_cannot_work_fail_before_training(tmp_path) -> None:
         train(tiny(tmp_path / "d", "train.steps=1", f"model.cache.dir={tmp_path / 'afile'}"))
     with pytest.raises(ValueError, match=r"13 dense features but model\.dlrm\.num_dense is 5"):
         train(tiny(tmp_path, "train.steps=1", "model.dlrm.num_dense=5"))
+
+
+@pytest.mark.parametrize(
+    ("key", "was", "now"),
+    [
+        ("optim.dense", "adagrad", "adam"),
+        ("optim.dense", "adam", "adagrad"),
+        ("optim.dense", "sgd", "adam"),
+        ("optim.sparse.kind", "adagrad", "rowwise_adagrad"),
+        ("optim.sparse.kind", "rowwise_adagrad", "adam"),
+        ("optim.sparse.kind", "sgd", "adagrad"),
+    ],
+)
+def test_a_resume_with_another_optimizer_kind_is_refused_before_any_step(
+    tmp_path, key, was, now
+) -> None:
+    """The saved optimizer state is its kind's (sums, moments, none). Bugs caught: a
+    dense optimizer switched on resume failed at the first step with a raw KeyError
+    ('betas', 'sum', 'exp_avg'), the reference embedding's one with a KeyError or a
+    shape error from torch, and a switch from SGD silently started the new optimizer's
+    state afresh."""
+    reference = "model.embedding=reference"
+    train(tiny(tmp_path, reference, f"{key}={was}", "train.steps=2"))
+    message = (
+        f"resume: {latest_checkpoint(tmp_path)} was trained with {key}={was!r}, this run has "
+        f"{now!r}: its optimizer state is that optimizer's, so resume with {key}={was!r} "
+        "(or start a new run)"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        train(tiny(tmp_path, reference, f"{key}={now}", "train.steps=3"), resume=True)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002"]
 
 
 def test_loss_goes_down_and_metrics_are_sane(tmp_path) -> None:
