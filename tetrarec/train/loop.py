@@ -500,8 +500,7 @@ class _Run:
             # A crash between a best's checkpoint and its link leaves the link behind.
             if self.rank == 0 and (linked is None or linked.name != kept[0].name):
                 mark_best(kept[0])
-        patience = self.config.train.early_stop_patience
-        if patience and self.best.since >= patience:
+        if self._out_of_patience():
             self.stopped_early = True  # the interrupted run had stopped here
             logger.info("resume: the run stopped early at step %d; no step to make", self.step)
 
@@ -748,7 +747,7 @@ class _Run:
                 self.best.step,
                 self.best.since,
             )
-        if tc.early_stop_patience and self.best.since >= tc.early_stop_patience:
+        if self._out_of_patience():
             self.stopped_early = True
             if self.rank == 0:
                 logger.info(
@@ -757,6 +756,16 @@ class _Run:
                     self.step,
                     self.best.since,
                 )
+
+    def _out_of_patience(self) -> bool:
+        """Whether ``train.early_stop_patience`` stops the run here, before the last step.
+
+        At the last planned step the run ends anyway: it did not stop early, even if
+        that step's evaluation was the ``patience``-th without improvement.
+        """
+        patience = self.config.train.early_stop_patience
+        assert self.best is not None
+        return bool(patience) and self.best.since >= patience and self.step < self.total_steps
 
     def _checkpoint(self) -> None:
         tc = self.config.train

@@ -469,6 +469,24 @@ def test_early_stop_after_exactly_patience_evaluations_without_improvement(tmp_p
     assert result.to_dict()["stopped_early"] is True
 
 
+def test_patience_running_out_at_the_last_planned_step_is_no_early_stop(tmp_path, caplog) -> None:
+    """A run planned to end exactly where its patience runs out ends at its planned
+    step: it did not stop early (``TrainResult.stopped_early``: before the planned
+    number of steps), nor does a resume of it. Bug caught: ``stopped_early`` true and
+    "stopped early at step N of N" logged whenever the final evaluation was the
+    ``patience``-th without improvement."""
+    run = [*EVERY_STEP, "train.early_stop_patience=2"]
+    stop = train(tiny(tmp_path / "a", *run, "train.steps=8")).steps
+    assert stop < 8, "the test needs a run that stops early"
+    caplog.set_level(logging.INFO, logger="tetrarec.train.loop")
+    planned = train(tiny(tmp_path / "b", *run, f"train.steps={stop}"))
+    assert (planned.steps, planned.best.since, planned.stopped_early) == (stop, 2, False)
+    assert planned.to_dict()["stopped_early"] is False
+    again = train(tiny(tmp_path / "b", *run, f"train.steps={stop}"), resume=True)
+    assert (again.start_step, again.steps, again.stopped_early) == (stop, stop, False)
+    assert not any("stop" in r.getMessage() for r in caplog.records)
+
+
 def test_resumed_run_keeps_the_same_best_and_stops_at_the_same_step(tmp_path) -> None:
     """Interrupted after the best evaluation and before the early stop, then resumed:
     the same best (step, metrics, count) and the same stop step as straight through.
