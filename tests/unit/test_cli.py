@@ -325,12 +325,30 @@ def test_damaged_checkpoint_is_one_line_and_exit_2(capsys, tmp_path) -> None:
     """``tetrarec eval`` of a checkpoint whose tensors file is cut short: it ended in
     safetensors' own traceback."""
     ckpt = write_checkpoint(
-        tmp_path, CheckpointData(step=1, tensors={"w": torch.zeros(64)}, meta={})
+        tmp_path, CheckpointData(step=1, tensors={"w": torch.zeros(64)}, meta={"config": {}})
     )
     tensors = ckpt / "tensors.safetensors"
     tensors.write_bytes(tensors.read_bytes()[:40])
     assert main(["-q", "eval", "--checkpoint", str(ckpt)]) == 2
     assert f"{tensors}: damaged checkpoint tensors" in _one_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("key", ["step", "config"])
+def test_eval_of_a_checkpoint_whose_meta_lacks_a_key_is_one_line_and_exit_2(
+    capsys, tmp_path, key
+) -> None:
+    """``tetrarec eval`` of a checkpoint whose ``meta.json`` is valid JSON without
+    ``step`` or ``config``. Bug caught: a ``KeyError`` traceback and exit 1."""
+    ckpt = write_checkpoint(
+        tmp_path, CheckpointData(step=1, tensors={"w": torch.zeros(4)}, meta={"config": {}})
+    )
+    meta_path = ckpt / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta[key]
+    meta_path.write_text(json.dumps(meta))
+    assert main(["-q", "eval", "--checkpoint", str(ckpt)]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert err.endswith(f"{meta_path}: damaged checkpoint metadata (no {key!r})")
 
 
 def test_bad_kernels_setting_is_one_line(capsys, monkeypatch) -> None:
