@@ -351,6 +351,30 @@ def test_eval_of_a_checkpoint_whose_meta_lacks_a_key_is_one_line_and_exit_2(
     assert err.endswith(f"{meta_path}: damaged checkpoint metadata (no {key!r})")
 
 
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_work(
+    capsys, monkeypatch, tmp_path
+) -> None:
+    """``--json`` naming a directory, or a path under a file. Bug caught: ``tetrarec
+    eval`` evaluated first and then failed to write, "[Errno 21] Is a directory", with
+    exit 1 (``train`` refused the same path up front, exit 2)."""
+    import tetrarec.train
+
+    def evaluated(*args, **kwargs):
+        raise AssertionError("evaluated before refusing --json")
+
+    monkeypatch.setattr(tetrarec.train, "evaluate_checkpoint", evaluated)
+    (tmp_path / "afile").write_text("")
+    for path, problem in (
+        (tmp_path, "is a directory; give a file path"),
+        (tmp_path / "afile" / "m.json", f"{str(tmp_path / 'afile')!r} is a file, not a directory"),
+    ):
+        for argv in (["eval", "--checkpoint", str(tmp_path)], ["demo", *_sets(*TINY)]):
+            assert main(["-q", *argv, "--json", str(path)]) == 2, argv
+            err = _one_line(capsys.readouterr().err)
+            assert err.startswith(f"tetrarec {argv[0]}: error: --json {str(path)!r}"), err
+            assert err.endswith(problem), err
+
+
 def test_bad_kernels_setting_is_one_line(capsys, monkeypatch) -> None:
     monkeypatch.setenv("TETRAREC_KERNELS", "fastest")
     assert main(["-q", "demo", *_sets(*TINY)]) == 2
