@@ -94,7 +94,10 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--smoke", action="store_true", help="3 steps per recipe, one C: seconds")
     p.add_argument("--json", metavar="PATH")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.seeds < 1:
+        p.error(f"--seeds {args.seeds}: give 1 or more (1: the recipe's own seed only)")
+    return args
 
 
 @contextlib.contextmanager
