@@ -175,8 +175,10 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     grid = (0.1,) if args.smoke else tuple(args.grid)
     rows: list[dict[str, Any]] = []
-    checkpoints = Path(tempfile.mkdtemp(prefix="tetrarec-quality-"))
-    with _in_repo_root():
+    # The runs' checkpoints are scratch (tens of MB per recipe): gone at the end, also
+    # after an error or Ctrl-C.
+    with tempfile.TemporaryDirectory(prefix="tetrarec-quality-") as scratch, _in_repo_root():
+        checkpoints = Path(scratch)
         for recipe in (r for r in RECIPES if r.name in args.recipes):
             if not Path(recipe.data).is_file():
                 raise SystemExit(f"bench_quality: {recipe.name}: data file {recipe.data} not found")
