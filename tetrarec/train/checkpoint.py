@@ -271,6 +271,20 @@ def best_checkpoint(root: str | Path) -> Path | None:
 _JSON_TYPES = {int: "an integer", dict: "a JSON object"}
 
 
+def _not_a_checkpoint(path: Path, missing: str) -> FileNotFoundError:
+    """The error for ``path``, which lacks ``missing``; a run's directory names its own.
+
+    ``<checkpoint_dir>`` itself is the likely slip (``tetrarec eval --checkpoint
+    <checkpoint_dir>``): the message then offers its ``best`` link and newest checkpoint.
+    """
+    found = list_checkpoints(path)
+    hint = ""
+    if found:
+        best = f"{path / BEST_LINK} (its best) or " if best_checkpoint(path) else ""
+        hint = f"; it holds a run's checkpoints: give {best}{found[-1]} (its newest)"
+    return FileNotFoundError(f"{path} is not a checkpoint (no {missing}){hint}")
+
+
 def read_meta(path: str | Path, *, require: Mapping[str, type] | None = None) -> dict[str, Any]:
     """Only the ``meta.json`` of checkpoint ``path`` (no tensors are read).
 
@@ -286,7 +300,7 @@ def read_meta(path: str | Path, *, require: Mapping[str, type] | None = None) ->
     """
     path = Path(path)
     if not (path / _META).is_file():
-        raise FileNotFoundError(f"{path} is not a checkpoint (no {_META})")
+        raise _not_a_checkpoint(path, _META)
     try:
         meta = json.loads((path / _META).read_text())
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
@@ -318,7 +332,7 @@ def read_checkpoint(
     """
     path = Path(path)
     if not (path / _META).is_file() or not (path / _TENSORS).is_file():
-        raise FileNotFoundError(f"{path} is not a checkpoint (no {_META} and {_TENSORS})")
+        raise _not_a_checkpoint(path, f"{_META} and {_TENSORS}")
     meta = read_meta(path, require=require)
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(

@@ -223,3 +223,28 @@ def test_meta_without_a_key_it_needs_is_damaged_naming_the_key(tmp_path, change,
         read_checkpoint(path, require={"config": dict})
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         read_meta(path, require={"config": dict})
+
+
+def test_a_runs_checkpoint_dir_given_as_a_checkpoint_names_its_best_and_newest(tmp_path) -> None:
+    """``tetrarec eval --checkpoint <checkpoint_dir>`` (the run's directory, not one of
+    its checkpoints). Bug caught: the error said only "is not a checkpoint", leaving the
+    user to find out that ``<checkpoint_dir>/best`` or a ``step_*`` was meant."""
+    for step in (3, 5):
+        write_checkpoint(tmp_path, _data(step))
+    newest = tmp_path / "step_00000005"
+    no_files = "(no meta.json and tensors.safetensors)"
+    with pytest.raises(FileNotFoundError) as e:
+        read_checkpoint(tmp_path)
+    assert str(e.value) == (
+        f"{tmp_path} is not a checkpoint {no_files}; it holds a run's checkpoints: give "
+        f"{newest} (its newest)"
+    )
+    mark_best(tmp_path / "step_00000003")
+    with pytest.raises(FileNotFoundError) as e:
+        read_meta(tmp_path)
+    assert str(e.value) == (
+        f"{tmp_path} is not a checkpoint (no meta.json); it holds a run's checkpoints: give "
+        f"{tmp_path / 'best'} (its best) or {newest} (its newest)"
+    )
+    with pytest.raises(FileNotFoundError, match=r"is not a checkpoint \(no meta\.json\)$"):
+        read_meta(newest / "nothing_here")
