@@ -94,7 +94,10 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--smoke", action="store_true", help="3 steps per recipe, one C: seconds")
     p.add_argument("--json", metavar="PATH")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.seeds < 1:
+        p.error(f"--seeds {args.seeds}: give 1 or more (1: the recipe's own seed only)")
+    return args
 
 
 @contextlib.contextmanager
@@ -172,8 +175,10 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     grid = (0.1,) if args.smoke else tuple(args.grid)
     rows: list[dict[str, Any]] = []
-    checkpoints = Path(tempfile.mkdtemp(prefix="tetrarec-quality-"))
-    with _in_repo_root():
+    # The runs' checkpoints are scratch (tens of MB per recipe): gone at the end, also
+    # after an error or Ctrl-C.
+    with tempfile.TemporaryDirectory(prefix="tetrarec-quality-") as scratch, _in_repo_root():
+        checkpoints = Path(scratch)
         for recipe in (r for r in RECIPES if r.name in args.recipes):
             if not Path(recipe.data).is_file():
                 raise SystemExit(f"bench_quality: {recipe.name}: data file {recipe.data} not found")

@@ -424,6 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     on_term = _raise_on_sigterm()
     try:
         with logging_redirect_tqdm():
+            _check_json_path(getattr(args, "json", None))
             _build_kernels(args.command)
             return _COMMANDS[args.command](args)
     except _Terminated:
@@ -441,6 +442,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if on_term is not None:
             signal.signal(signal.SIGTERM, on_term)
+
+
+def _check_json_path(path: str | None) -> None:
+    """Refuse a ``--json`` path the command could only fail to write after its work.
+
+    Every command writes its JSON last (after training, evaluating or preprocessing),
+    so a directory, or a path under a file, is refused before anything runs.
+
+    Raises:
+        ValueError: naming the path.
+    """
+    if not path:
+        return
+    if Path(path).is_dir():
+        raise ValueError(f"--json {path!r} is a directory; give a file path")
+    blocked = next((p for p in Path(path).parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ValueError(f"--json {path!r}: {str(blocked)!r} is a file, not a directory")
 
 
 class _Terminated(BaseException):

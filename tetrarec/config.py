@@ -274,8 +274,11 @@ class OptimConfig:
         sparse: the embedding optimizer (its ``lr`` is the sparse base learning rate).
         warmup_steps: steps of linear warm-up from ``1/warmup_steps`` to 1.
         decay: the decay shape after ``decay_start``.
-        decay_start: the first decayed step.
-        decay_steps: steps from the start of decay to ``min_lr_scale``.
+        decay_start: the 0-based step where decay starts from the full rate: its scale
+            is still 1 (``lr_scale``), so the first step with a lower rate is
+            ``decay_start + 1``.
+        decay_steps: steps from ``decay_start`` to ``min_lr_scale`` (first reached at
+            step ``decay_start + decay_steps``).
         min_lr_scale: the final fraction of the base learning rates.
 
     Raises:

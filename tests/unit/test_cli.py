@@ -325,12 +325,54 @@ def test_damaged_checkpoint_is_one_line_and_exit_2(capsys, tmp_path) -> None:
     """``tetrarec eval`` of a checkpoint whose tensors file is cut short: it ended in
     safetensors' own traceback."""
     ckpt = write_checkpoint(
-        tmp_path, CheckpointData(step=1, tensors={"w": torch.zeros(64)}, meta={})
+        tmp_path, CheckpointData(step=1, tensors={"w": torch.zeros(64)}, meta={"config": {}})
     )
     tensors = ckpt / "tensors.safetensors"
     tensors.write_bytes(tensors.read_bytes()[:40])
     assert main(["-q", "eval", "--checkpoint", str(ckpt)]) == 2
     assert f"{tensors}: damaged checkpoint tensors" in _one_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("key", ["step", "config"])
+def test_eval_of_a_checkpoint_whose_meta_lacks_a_key_is_one_line_and_exit_2(
+    capsys, tmp_path, key
+) -> None:
+    """``tetrarec eval`` of a checkpoint whose ``meta.json`` is valid JSON without
+    ``step`` or ``config``. Bug caught: a ``KeyError`` traceback and exit 1."""
+    ckpt = write_checkpoint(
+        tmp_path, CheckpointData(step=1, tensors={"w": torch.zeros(4)}, meta={"config": {}})
+    )
+    meta_path = ckpt / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta[key]
+    meta_path.write_text(json.dumps(meta))
+    assert main(["-q", "eval", "--checkpoint", str(ckpt)]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert err.endswith(f"{meta_path}: damaged checkpoint metadata (no {key!r})")
+
+
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_work(
+    capsys, monkeypatch, tmp_path
+) -> None:
+    """``--json`` naming a directory, or a path under a file. Bug caught: ``tetrarec
+    eval`` evaluated first and then failed to write, "[Errno 21] Is a directory", with
+    exit 1 (``train`` refused the same path up front, exit 2)."""
+    import tetrarec.train
+
+    def evaluated(*args, **kwargs):
+        raise AssertionError("evaluated before refusing --json")
+
+    monkeypatch.setattr(tetrarec.train, "evaluate_checkpoint", evaluated)
+    (tmp_path / "afile").write_text("")
+    for path, problem in (
+        (tmp_path, "is a directory; give a file path"),
+        (tmp_path / "afile" / "m.json", f"{str(tmp_path / 'afile')!r} is a file, not a directory"),
+    ):
+        for argv in (["eval", "--checkpoint", str(tmp_path)], ["demo", *_sets(*TINY)]):
+            assert main(["-q", *argv, "--json", str(path)]) == 2, argv
+            err = _one_line(capsys.readouterr().err)
+            assert err.startswith(f"tetrarec {argv[0]}: error: --json {str(path)!r}"), err
+            assert err.endswith(problem), err
 
 
 def test_bad_kernels_setting_is_one_line(capsys, monkeypatch) -> None:

@@ -32,6 +32,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -267,27 +268,63 @@ def best_checkpoint(root: str | Path) -> Path | None:
     return target
 
 
-def read_meta(path: str | Path) -> dict[str, Any]:
+_JSON_TYPES = {int: "an integer", dict: "a JSON object"}
+
+
+def _not_a_checkpoint(path: Path, missing: str) -> FileNotFoundError:
+    """The error for ``path``, which lacks ``missing``; a run's directory names its own.
+
+    ``<checkpoint_dir>`` itself is the likely slip (``tetrarec eval --checkpoint
+    <checkpoint_dir>``): the message then offers its ``best`` link and newest checkpoint.
+    """
+    found = list_checkpoints(path)
+    hint = ""
+    if found:
+        best = f"{path / BEST_LINK} (its best) or " if best_checkpoint(path) else ""
+        hint = f"; it holds a run's checkpoints: give {best}{found[-1]} (its newest)"
+    return FileNotFoundError(f"{path} is not a checkpoint (no {missing}){hint}")
+
+
+def read_meta(path: str | Path, *, require: Mapping[str, type] | None = None) -> dict[str, Any]:
     """Only the ``meta.json`` of checkpoint ``path`` (no tensors are read).
+
+    Args:
+        path: the checkpoint directory.
+        require: the keys the caller reads, besides ``step`` (which every checkpoint
+            has), with their JSON type: ``int`` or ``dict`` (``{"config": dict}``).
 
     Raises:
         FileNotFoundError: if ``path`` has no ``meta.json``.
-        ValueError: if it is damaged (naming it).
+        ValueError: if it is damaged (naming it): not a JSON object, or a required key
+            missing or of another type.
     """
     path = Path(path)
     if not (path / _META).is_file():
-        raise FileNotFoundError(f"{path} is not a checkpoint (no {_META})")
+        raise _not_a_checkpoint(path, _META)
     try:
         meta = json.loads((path / _META).read_text())
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise ValueError(f"{path / _META}: damaged checkpoint metadata ({e})") from e
     if not isinstance(meta, dict):
         raise ValueError(f"{path / _META}: damaged checkpoint metadata (not a JSON object)")
+    for key, kind in {"step": int, **(require or {})}.items():
+        value = meta.get(key)
+        if key not in meta:
+            problem = f"no {key!r}"
+        elif not isinstance(value, kind) or isinstance(value, bool):  # JSON true is no int
+            problem = f"{key!r} is not {_JSON_TYPES[kind]}: {json.dumps(value)[:40]}"
+        else:
+            continue
+        raise ValueError(f"{path / _META}: damaged checkpoint metadata ({problem})")
     return meta
 
 
-def read_checkpoint(path: str | Path) -> CheckpointData:
+def read_checkpoint(
+    path: str | Path, *, require: Mapping[str, type] | None = None
+) -> CheckpointData:
     """Read a checkpoint directory written by ``write_checkpoint``.
+
+    ``require``: the meta keys the caller reads, with their JSON types (``read_meta``).
 
     Raises:
         FileNotFoundError: if ``path`` is not a complete checkpoint.
@@ -295,8 +332,8 @@ def read_checkpoint(path: str | Path) -> CheckpointData:
     """
     path = Path(path)
     if not (path / _META).is_file() or not (path / _TENSORS).is_file():
-        raise FileNotFoundError(f"{path} is not a checkpoint (no {_META} and {_TENSORS})")
-    meta = read_meta(path)
+        raise _not_a_checkpoint(path, f"{_META} and {_TENSORS}")
+    meta = read_meta(path, require=require)
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(
             f"{path}: checkpoint format {meta.get('format')!r}, this tetrarec reads "
@@ -306,7 +343,7 @@ def read_checkpoint(path: str | Path) -> CheckpointData:
         tensors = load_file(str(path / _TENSORS))
     except SafetensorError as e:
         raise ValueError(f"{path / _TENSORS}: damaged checkpoint tensors ({e})") from e
-    return CheckpointData(step=int(meta["step"]), tensors=tensors, meta=meta)
+    return CheckpointData(step=meta["step"], tensors=tensors, meta=meta)
 
 
 # --- optimizer and RNG states as named tensors plus JSON -------------------------------

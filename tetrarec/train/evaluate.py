@@ -87,8 +87,9 @@ def checkpoint_config(path: str | Path) -> RunConfig:
 
     Raises:
         FileNotFoundError: if ``path`` is not a checkpoint.
+        ValueError: if its ``meta.json`` is damaged (no ``config``, for one).
     """
-    return RunConfig.from_dict(read_checkpoint(path).meta["config"])
+    return RunConfig.from_dict(read_checkpoint(path, require={"config": dict}).meta["config"])
 
 
 def evaluate_checkpoint(

@@ -415,6 +415,7 @@ class _Run:
                 "so resume with that batch size (or start a new run)"
             )
         self._check_same_cache(path, meta.get("config", {}).get("model", {}))
+        self._check_same_optimizers(path, meta.get("config", {}).get("optim", {}))
         self.step, position = load_run_state(path, self.parts)
         self.train_ds, self.eval_ds = restore_dense_transform(path, self.train_ds, self.eval_ds)
         if position != self.step:
@@ -457,6 +458,26 @@ class _Run:
                 "and size, so resume with the same [model.cache] settings (or start a new run)"
             )
 
+    def _check_same_optimizers(self, path: Path, saved: dict[str, Any]) -> None:
+        """Refuse a resume whose optimizers are of other kinds than the saved ones.
+
+        A checkpoint holds each optimizer's state in its kind's layout (Adagrad's sums,
+        Adam's moments, none for SGD): loaded into another kind it failed at the first
+        step (``KeyError: 'exp_avg'``) or was silently dropped. Settings (learning
+        rates, weight decay, eps) may change. ``saved``: the checkpoint's optim config.
+        """
+        mine = self.config.optim
+        for key, was, now in (
+            ("optim.dense", saved.get("dense"), mine.dense.value),
+            ("optim.sparse.kind", saved.get("sparse", {}).get("kind"), mine.sparse.kind.value),
+        ):
+            if was is not None and was != now:
+                raise ValueError(
+                    f"resume: {path} was trained with {key}={was!r}, this run has {now!r}: "
+                    f"its optimizer state is that optimizer's, so resume with {key}={was!r} "
+                    "(or start a new run)"
+                )
+
     def _resume_best(self, path: Path, saved: dict[str, Any] | None) -> None:
         """Take the best-so-far state ``saved`` in the checkpoint's meta (same metric only)."""
         if self.best is None:
@@ -470,15 +491,16 @@ class _Run:
             return
         self.best = BestEval.from_dict(saved)
         root = path.parent
-        kept = [p for p in list_checkpoints(root) if p.name == f"step_{self.best.step:08d}"]
+        # No evaluation had a finite metric yet (every one nan): no best step to find.
+        name = None if self.best.step is None else f"step_{self.best.step:08d}"
+        kept = [p for p in list_checkpoints(root) if p.name == name]
         if kept:
             self.best_path = kept[0]
             linked = best_checkpoint(root)
             # A crash between a best's checkpoint and its link leaves the link behind.
             if self.rank == 0 and (linked is None or linked.name != kept[0].name):
                 mark_best(kept[0])
-        patience = self.config.train.early_stop_patience
-        if patience and self.best.since >= patience:
+        if self._out_of_patience():
             self.stopped_early = True  # the interrupted run had stopped here
             logger.info("resume: the run stopped early at step %d; no step to make", self.step)
 
@@ -725,7 +747,7 @@ class _Run:
                 self.best.step,
                 self.best.since,
             )
-        if tc.early_stop_patience and self.best.since >= tc.early_stop_patience:
+        if self._out_of_patience():
             self.stopped_early = True
             if self.rank == 0:
                 logger.info(
@@ -734,6 +756,16 @@ class _Run:
                     self.step,
                     self.best.since,
                 )
+
+    def _out_of_patience(self) -> bool:
+        """Whether ``train.early_stop_patience`` stops the run here, before the last step.
+
+        At the last planned step the run ends anyway: it did not stop early, even if
+        that step's evaluation was the ``patience``-th without improvement.
+        """
+        patience = self.config.train.early_stop_patience
+        assert self.best is not None
+        return bool(patience) and self.best.since >= patience and self.step < self.total_steps
 
     def _checkpoint(self) -> None:
         tc = self.config.train

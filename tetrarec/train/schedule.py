@@ -47,8 +47,9 @@ def lr_scale(step: int, config: OptimConfig) -> float:
     """The factor on the base learning rates for 0-based ``step``.
 
     Warm-up: ``(step + 1) / warmup_steps`` for the first ``warmup_steps`` steps.
-    Decay: from ``decay_start`` over ``decay_steps`` steps down to ``min_lr_scale``,
-    where it stays. The two multiply if they overlap.
+    Decay: from 1 at ``decay_start`` (so step ``decay_start + 1`` is the first one
+    lowered) over ``decay_steps`` steps down to ``min_lr_scale``, reached at step
+    ``decay_start + decay_steps`` and kept. The two multiply if they overlap.
     """
     scale = 1.0
     if step < config.warmup_steps:

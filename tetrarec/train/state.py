@@ -233,6 +233,9 @@ def _load_model(data: CheckpointData, model: torch.nn.Module, path: str | Path) 
 def load_run_state(path: str | Path, parts: RunParts) -> tuple[int, int]:
     """Restore model, optimizers and RNG states from a checkpoint.
 
+    The optimizers keep the hyperparameters ``parts`` was built with (this run's
+    config); only their state comes from the checkpoint (``_load_optimizer_state``).
+
     Returns:
         ``(step, data_position)``: steps done and the next global batch number.
 
@@ -252,15 +255,17 @@ def load_run_state(path: str | Path, parts: RunParts) -> tuple[int, int]:
         )
         rank_meta = data.meta["sharding"]["ranks"][rank]
     _load_model(data, parts.model, path)
-    parts.dense_optimizer.load_state_dict(
-        unflatten_optimizer_state(data.tensors, data.meta["dense_optim"], "dense_optim")
+    _load_optimizer_state(
+        parts.dense_optimizer,
+        unflatten_optimizer_state(data.tensors, data.meta["dense_optim"], "dense_optim"),
     )
     sparse_json = data.meta["sparse_optim"]
     if rank_meta is not None and "sparse_optim_keys" in rank_meta:
         sparse_json = {**sparse_json, "keys": rank_meta["sparse_optim_keys"]}
     try:
-        parts.sparse_optimizer.load_state_dict(
-            unflatten_optimizer_state(data.tensors, sparse_json, "sparse_optim")
+        _load_optimizer_state(
+            parts.sparse_optimizer,
+            unflatten_optimizer_state(data.tensors, sparse_json, "sparse_optim"),
         )
     except (KeyError, ValueError) as e:
         raise ValueError(
@@ -271,6 +276,23 @@ def load_run_state(path: str | Path, parts: RunParts) -> tuple[int, int]:
         data.tensors, rank_meta["rng"] if rank_meta else data.meta["rng"], device=parts.device
     )
     return data.step, int(data.meta["data_position"])
+
+
+def _load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """Load the ``saved`` state into ``optimizer``, keeping its own hyperparameters.
+
+    The state (moments, accumulators, step counts) continues the checkpoint's; the
+    hyperparameters (weight decay, eps, betas, ...) stay those ``optimizer`` was built
+    with from this run's config, as the learning rate follows the config at every step
+    (``set_learning_rate``). ``load_state_dict`` alone would put back the saved groups'
+    values, and a resume would ignore a changed setting while its checkpoints recorded
+    the new one. With an unchanged config the values are the same: a resumed run stays
+    bitwise equal to one never interrupted.
+    """
+    own = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    optimizer.load_state_dict(saved)
+    for group, settings in zip(optimizer.param_groups, own, strict=True):
+        group.update(settings)
 
 
 def load_dense_transform(path: str | Path) -> DenseTransform | None:

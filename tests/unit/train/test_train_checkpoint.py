@@ -191,3 +191,60 @@ def test_damaged_checkpoint_is_a_value_error_naming_the_file(tmp_path, damage) -
     target.write_bytes(raw[: len(raw) // 2])
     with pytest.raises(ValueError, match=re.escape(str(target)) + ": damaged checkpoint"):
         read_checkpoint(path)
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        ({"step": None}, "no 'step'"),
+        ({"step": "3"}, "'step' is not an integer: \"3\""),
+        ({"step": True}, "'step' is not an integer: true"),
+        ({"config": None}, "no 'config'"),
+        ({"config": [1]}, "'config' is not a JSON object: [1]"),
+    ],
+)
+def test_meta_without_a_key_it_needs_is_damaged_naming_the_key(tmp_path, change, problem) -> None:
+    """A ``meta.json`` that is JSON but lacks ``step`` (every checkpoint's) or a key the
+    caller requires (``config``, for evaluation), or holds one of another type. Bug
+    caught: ``read_checkpoint`` and ``tetrarec eval`` failed with a bare ``KeyError``
+    (or ``int("3")`` passed a string), a traceback instead of the one-line "damaged
+    checkpoint metadata" error a non-JSON file gets."""
+    data = CheckpointData(step=3, tensors={"w": torch.zeros(2)}, meta={"config": {}})
+    path = write_checkpoint(tmp_path, data)
+    meta = json.loads((path / "meta.json").read_text())
+    for key, value in change.items():
+        if value is None:
+            del meta[key]
+        else:
+            meta[key] = value
+    (path / "meta.json").write_text(json.dumps(meta))
+    message = f"{path / 'meta.json'}: damaged checkpoint metadata ({problem})"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        read_checkpoint(path, require={"config": dict})
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        read_meta(path, require={"config": dict})
+
+
+def test_a_runs_checkpoint_dir_given_as_a_checkpoint_names_its_best_and_newest(tmp_path) -> None:
+    """``tetrarec eval --checkpoint <checkpoint_dir>`` (the run's directory, not one of
+    its checkpoints). Bug caught: the error said only "is not a checkpoint", leaving the
+    user to find out that ``<checkpoint_dir>/best`` or a ``step_*`` was meant."""
+    for step in (3, 5):
+        write_checkpoint(tmp_path, _data(step))
+    newest = tmp_path / "step_00000005"
+    no_files = "(no meta.json and tensors.safetensors)"
+    with pytest.raises(FileNotFoundError) as e:
+        read_checkpoint(tmp_path)
+    assert str(e.value) == (
+        f"{tmp_path} is not a checkpoint {no_files}; it holds a run's checkpoints: give "
+        f"{newest} (its newest)"
+    )
+    mark_best(tmp_path / "step_00000003")
+    with pytest.raises(FileNotFoundError) as e:
+        read_meta(tmp_path)
+    assert str(e.value) == (
+        f"{tmp_path} is not a checkpoint (no meta.json); it holds a run's checkpoints: give "
+        f"{tmp_path / 'best'} (its best) or {newest} (its newest)"
+    )
+    with pytest.raises(FileNotFoundError, match=r"is not a checkpoint \(no meta\.json\)$"):
+        read_meta(newest / "nothing_here")

@@ -2,6 +2,7 @@ import json
 import logging
 import math
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +92,61 @@ def test_resumed_run_equals_uninterrupted_run_bitwise(
     assert resumed.final == straight.final
 
 
+# Optimizer settings other than the learning rates, changed from TINY's defaults.
+NEW_SETTINGS = [
+    "optim.dense_weight_decay=0.5",
+    "optim.dense_eps=0.1",
+    "optim.sparse.weight_decay=0.5",
+    "optim.sparse.eps=0.1",
+]
+
+
+@pytest.mark.parametrize(
+    ("embedding", "sparse_kind", "betas"),
+    [("reference", "rowwise_adagrad", []), ("fused", "adam", ["optim.sparse.beta1=0.5"])],
+)
+def test_a_resume_takes_the_optimizer_settings_from_its_config(
+    tmp_path, embedding, sparse_kind, betas
+) -> None:
+    """The checkpoint gives a resume its optimizers' state, the config their settings.
+    A run interrupted with its checkpoint's settings rewritten to other values resumes
+    bitwise as if never interrupted, and a run resumed with changed settings holds and
+    records them. Bug caught: loading the optimizer state copied the saved weight decay,
+    eps and betas over the config's (dense, reference sparse and fused), so a changed
+    setting was silently ignored while the new checkpoints' config recorded it."""
+    old = [f"model.embedding={embedding}", f"optim.sparse.kind={sparse_kind}", "optim.dense=adam"]
+    new = [*old, *NEW_SETTINGS, *betas]
+    straight = train(tiny(tmp_path / "a", *new, "train.steps=5"))
+    train(tiny(tmp_path / "b", *new, "train.steps=2"))
+    train(tiny(tmp_path / "c", *old, "train.steps=2"))
+    # b's checkpoint as if written with the old settings (its state is the new run's)
+    old_meta = json.loads((latest_checkpoint(tmp_path / "c") / "meta.json").read_text())
+    meta_path = latest_checkpoint(tmp_path / "b") / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    for optim in ("dense_optim", "sparse_optim"):
+        assert meta[optim]["param_groups"] != old_meta[optim]["param_groups"]
+        meta[optim]["param_groups"] = old_meta[optim]["param_groups"]
+    meta_path.write_text(json.dumps(meta))
+    _scramble_global_rngs()
+    resumed = train(tiny(tmp_path / "b", *new, "train.steps=5"), resume=True)
+    a = read_checkpoint(latest_checkpoint(tmp_path / "a"))
+    b = read_checkpoint(latest_checkpoint(tmp_path / "b"))
+    for name, tensor in a.tensors.items():
+        assert torch.equal(tensor, b.tensors[name]), name
+    assert a.meta["dense_optim"] == b.meta["dense_optim"]
+    assert a.meta["sparse_optim"] == b.meta["sparse_optim"]
+    assert resumed.final == straight.final
+    # the old run resumed with the new settings: its optimizers hold and save them
+    train(tiny(tmp_path / "c", *new, "train.steps=3"), resume=True)
+    c = read_checkpoint(latest_checkpoint(tmp_path / "c"))
+    (dense,) = c.meta["dense_optim"]["param_groups"]
+    assert (dense["weight_decay"], dense["eps"]) == (0.5, 0.1)
+    (sparse,) = c.meta["sparse_optim"]["param_groups"]
+    assert (sparse["weight_decay"], sparse["eps"]) == (0.5, 0.1)
+    if betas:
+        assert sparse["betas"][0] == 0.5
+
+
 def test_evals_checkpoints_pruning_and_json_summary(tmp_path) -> None:
     out = tmp_path / "summary.json"
     result = train(
@@ -170,6 +226,37 @@ def test_settings_that_cannot_work_fail_before_training(tmp_path) -> None:
         train(tiny(tmp_path / "d", "train.steps=1", f"model.cache.dir={tmp_path / 'afile'}"))
     with pytest.raises(ValueError, match=r"13 dense features but model\.dlrm\.num_dense is 5"):
         train(tiny(tmp_path, "train.steps=1", "model.dlrm.num_dense=5"))
+
+
+@pytest.mark.parametrize(
+    ("key", "was", "now"),
+    [
+        ("optim.dense", "adagrad", "adam"),
+        ("optim.dense", "adam", "adagrad"),
+        ("optim.dense", "sgd", "adam"),
+        ("optim.sparse.kind", "adagrad", "rowwise_adagrad"),
+        ("optim.sparse.kind", "rowwise_adagrad", "adam"),
+        ("optim.sparse.kind", "sgd", "adagrad"),
+    ],
+)
+def test_a_resume_with_another_optimizer_kind_is_refused_before_any_step(
+    tmp_path, key, was, now
+) -> None:
+    """The saved optimizer state is its kind's (sums, moments, none). Bugs caught: a
+    dense optimizer switched on resume failed at the first step with a raw KeyError
+    ('betas', 'sum', 'exp_avg'), the reference embedding's one with a KeyError or a
+    shape error from torch, and a switch from SGD silently started the new optimizer's
+    state afresh."""
+    reference = "model.embedding=reference"
+    train(tiny(tmp_path, reference, f"{key}={was}", "train.steps=2"))
+    message = (
+        f"resume: {latest_checkpoint(tmp_path)} was trained with {key}={was!r}, this run has "
+        f"{now!r}: its optimizer state is that optimizer's, so resume with {key}={was!r} "
+        "(or start a new run)"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        train(tiny(tmp_path, reference, f"{key}={now}", "train.steps=3"), resume=True)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002"]
 
 
 def test_loss_goes_down_and_metrics_are_sane(tmp_path) -> None:
@@ -331,6 +418,24 @@ def test_keep_best_without_a_finite_metric_warns_and_links_nothing(tmp_path, cap
     assert any("no evaluation had a finite auc" in m for m in messages)
 
 
+def test_resume_with_no_best_yet_continues_and_still_reports_no_best(tmp_path, caplog) -> None:
+    """A ``keep_best`` run whose every evaluation was ``nan`` (no best yet), resumed.
+    Bug caught: the resume crashed formatting the saved best's step, ``None``, into a
+    checkpoint name (``TypeError: unsupported format string passed to
+    NoneType.__format__``)."""
+    ck = tmp_path / "ck"
+    one_label = [*EVERY_STEP, "data.synthetic.target_ctr=1e-9"]
+    train(tiny(ck, *one_label, "train.steps=2"))
+    caplog.set_level(logging.INFO, logger="tetrarec.train.loop")
+    resumed = train(tiny(ck, *one_label, "train.steps=4"), resume=True)
+    assert (resumed.start_step, resumed.steps) == (2, 4)
+    assert (resumed.best.step, resumed.best.metrics, resumed.best.since) == (None, None, 4)
+    assert resumed.best_checkpoint is None
+    assert best_checkpoint(ck) is None
+    assert resumed.to_dict()["best"] is None
+    assert any("no evaluation had a finite auc" in r.getMessage() for r in caplog.records)
+
+
 def test_a_cached_checkpoint_into_an_uncached_model_is_refused_by_name(tmp_path) -> None:
     """Evaluating (or resuming) a cached run's checkpoint with ``model.placement`` changed
     to ``host``: one sentence naming the tables and the setting (it was torch's list of
@@ -362,6 +467,24 @@ def test_early_stop_after_exactly_patience_evaluations_without_improvement(tmp_p
     assert result.final == result.evals[-1][1]
     assert latest_checkpoint(ck).name == f"step_{result.steps:08d}"
     assert result.to_dict()["stopped_early"] is True
+
+
+def test_patience_running_out_at_the_last_planned_step_is_no_early_stop(tmp_path, caplog) -> None:
+    """A run planned to end exactly where its patience runs out ends at its planned
+    step: it did not stop early (``TrainResult.stopped_early``: before the planned
+    number of steps), nor does a resume of it. Bug caught: ``stopped_early`` true and
+    "stopped early at step N of N" logged whenever the final evaluation was the
+    ``patience``-th without improvement."""
+    run = [*EVERY_STEP, "train.early_stop_patience=2"]
+    stop = train(tiny(tmp_path / "a", *run, "train.steps=8")).steps
+    assert stop < 8, "the test needs a run that stops early"
+    caplog.set_level(logging.INFO, logger="tetrarec.train.loop")
+    planned = train(tiny(tmp_path / "b", *run, f"train.steps={stop}"))
+    assert (planned.steps, planned.best.since, planned.stopped_early) == (stop, 2, False)
+    assert planned.to_dict()["stopped_early"] is False
+    again = train(tiny(tmp_path / "b", *run, f"train.steps={stop}"), resume=True)
+    assert (again.start_step, again.steps, again.stopped_early) == (stop, stop, False)
+    assert not any("stop" in r.getMessage() for r in caplog.records)
 
 
 def test_resumed_run_keeps_the_same_best_and_stops_at_the_same_step(tmp_path) -> None:

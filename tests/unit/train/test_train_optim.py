@@ -132,7 +132,8 @@ def test_schedule_warmup_then_linear_and_cosine_decay() -> None:
     )
     assert [lr_scale(s, lin) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert lr_scale(7, lin) == 1.0
-    assert lr_scale(8, lin) == 1.0
+    assert lr_scale(8, lin) == 1.0  # decay_start: still the full rate (as documented)
+    assert lr_scale(9, lin) == pytest.approx(1 - 0.75 / 8)  # the first step lowered
     assert lr_scale(12, lin) == pytest.approx(1 - 0.75 * 0.5)
     assert lr_scale(16, lin) == pytest.approx(0.25)
     assert lr_scale(1000, lin) == pytest.approx(0.25)
