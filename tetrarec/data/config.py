@@ -271,7 +271,8 @@ class CsvConfig:
             ``multi_hot_separator`` (``"a|b|c"``), one bag per row; empty items are
             dropped, so an empty field is an empty bag.
         multi_hot_separator: the separator inside a multi-hot field; it must differ
-            from ``delimiter``.
+            from ``delimiter``. Backslash and ``t`` also mean a tab, as for
+            ``delimiter``.
 
     Raises:
         ValueError: naming the field and the valid values.
@@ -285,8 +286,9 @@ class CsvConfig:
 
     def __post_init__(self) -> None:
         """Validate the fields (``ValueError`` names the field) and normalize them."""
-        if self.delimiter == "\\t":  # a tab, as typed in --set data.csv.delimiter=\t
-            object.__setattr__(self, "delimiter", "\t")
+        for name in ("delimiter", "multi_hot_separator"):
+            if getattr(self, name) == "\\t":  # a tab, as typed in --set data.csv.delimiter=\t
+                object.__setattr__(self, name, "\t")
         d = self.delimiter
         if len(d) != 1 or not d.isascii() or d in _FORBIDDEN_DELIMITERS:
             raise ValueError(

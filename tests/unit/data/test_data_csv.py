@@ -319,6 +319,19 @@ def test_config_fields_are_validated():
         ColumnMapping(label_column="y", dense_columns=("u",), sparse_columns=("u",))
 
 
+def test_multi_hot_separator_backslash_t_is_a_tab_like_the_delimiter(tmp_path):
+    """``multi_hot_separator`` typed as backslash + t (``--set ...=\\t``, TOML ``"\\\\t"``)
+    was kept as those two characters while ``delimiter`` spelled the same way became a
+    tab: tab-joined bags were silently read as one item per row."""
+    assert CsvConfig(delimiter=";", multi_hot_separator="\\t").multi_hot_separator == "\t"
+    path = tmp_path / "t.csv"
+    path.write_text("label;tags\n1;a\tb\tc\n0;d\te\n")
+    mapping = ColumnMapping(label_column="label", sparse_columns=("tags",))
+    csv = CsvConfig(delimiter=";", multi_hot_columns=("tags",), multi_hot_separator="\\t")
+    columns, _ = read_csv([path], mapping, csv=csv)
+    assert np.diff(columns.offsets[0]).tolist() == [3, 2]
+
+
 def test_build_datasets_reads_the_csv_source(tmp_path):
     """The LOADERS registry entry passes the mapping, the csv settings and the policy."""
     path = bad_file(tmp_path / "b.csv", "")
