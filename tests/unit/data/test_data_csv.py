@@ -301,8 +301,10 @@ def test_config_fields_are_validated():
         CsvConfig(header=False)
     with pytest.raises(ValueError, match=r"column_names repeats \['a'\]"):
         CsvConfig(header=False, column_names=("a", "b", "a"))
-    with pytest.raises(ValueError, match="multi_hot_separator"):
-        CsvConfig(delimiter="|", multi_hot_separator="|")
+    with pytest.raises(ValueError, match=r"multi_hot_separator '\|' contains the delimiter"):
+        CsvConfig(delimiter="|", multi_hot_columns=("t",))
+    with pytest.raises(ValueError, match="multi_hot_separator must be a non-empty"):
+        CsvConfig(multi_hot_separator="")
     with pytest.raises(ValueError, match=r"needs DataConfig\.sparse_columns"):
         DataConfig(source="csv", train_path=("a.csv",))
     with pytest.raises(ValueError, match=r"multi_hot_columns \['x'\] are not sparse_columns"):
@@ -317,6 +319,16 @@ def test_config_fields_are_validated():
         )
     with pytest.raises(ValueError, match=r"uses columns \['u'\] more than once"):
         ColumnMapping(label_column="y", dense_columns=("u",), sparse_columns=("u",))
+
+
+def test_pipe_delimiter_without_multi_hot_columns_is_accepted(tmp_path):
+    """``delimiter = "|"`` (an example delimiter of the docs) was refused because it is
+    in the default ``multi_hot_separator``, even with no multi-hot column to split."""
+    path = tmp_path / "p.csv"
+    path.write_text("label|c\n1|a\n0|b\n")
+    mapping = ColumnMapping(label_column="label", sparse_columns=("c",))
+    columns, _ = read_csv([path], mapping, csv=CsvConfig(delimiter="|"))
+    assert columns.labels.tolist() == [1.0, 0.0]
 
 
 def test_multi_hot_separator_backslash_t_is_a_tab_like_the_delimiter(tmp_path):
