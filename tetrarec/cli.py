@@ -167,10 +167,10 @@ def _write_json(path: str | None, payload: dict[str, Any]) -> None:
 
 
 def _toml_strings(items: list[str]) -> str:
-    """A TOML array of basic strings holding ``items`` exactly.
+    r"""A TOML array of basic strings holding ``items`` exactly.
 
     ``json.dumps`` alone is not TOML: it writes a character beyond the Basic
-    Multilingual Plane (an emoji) as a UTF-16 surrogate pair ``\\ud83d\\ude00``, which
+    Multilingual Plane (an emoji) as a UTF-16 surrogate pair ``\ud83d\ude00``, which
     TOML refuses. So non-ASCII text is kept as is, and only what TOML requires is
     escaped: the quote, the backslash and the control characters (JSON escapes these
     the TOML way too), plus DEL, which JSON leaves alone.

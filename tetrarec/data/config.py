@@ -320,7 +320,7 @@ class CsvConfig:
             raise ValueError(
                 f"CsvConfig.multi_hot_separator {sep!r} contains the delimiter {d!r}, so "
                 f"the multi-hot columns {list(self.multi_hot_columns)} could not be split; "
-                f"set another multi_hot_separator (e.g. \";\")"
+                f'set another multi_hot_separator (e.g. ";")'
             )
 
 
