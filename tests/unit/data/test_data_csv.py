@@ -265,6 +265,71 @@ def test_bad_lines_found_exactly_whatever_the_block_size(tmp_path, monkeypatch):
         assert_same(ds, clean)
 
 
+def _many_bad_lines(path: Path) -> Path:
+    """1,000 good rows with every kind of bad line of ``BAD`` strewn among them."""
+    rng = np.random.default_rng(0)
+    lines = [",".join(r) for r in ROWS * 333] + [",".join(ROWS[0])]
+    for k, at in enumerate(sorted(rng.choice(len(lines), 60, replace=False), reverse=True)):
+        lines.insert(int(at), BAD[k % len(BAD)][0])
+    text = "\n".join([",".join(NAMES), *lines]) + "\n"
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    return path
+
+
+def test_skip_finds_many_bad_lines_in_a_few_reads(tmp_path, monkeypatch):
+    """Skip mode with a few percent of bad lines was hundreds of times slower than a
+    clean file: a failing block was split 16 ways and re-read recursively, about
+    16 * log16(lines) pyarrow reads per bad line. The bad lines of a block are now
+    found in one pass, and the rest read as one block."""
+    path = _many_bad_lines(tmp_path / "many.csv")
+    reads = []
+    real_read = csv_source._FilePlan.read
+    monkeypatch.setattr(
+        csv_source._FilePlan,
+        "read",
+        lambda self, *a, **k: reads.append(1) or real_read(self, *a, **k),
+    )
+    ds = dataset([path], on_bad_line="skip", csv=MULTI)
+    assert ds.bad_lines.skipped == 60
+    assert ds.num_samples == 1000
+    # the whole block, the pass over it, the good lines; and the reads of each line only
+    # pyarrow can judge: a dense value that is not a number (1), a lone "\r" (2)
+    kinds = [BAD[k % len(BAD)] for k in range(60)]
+    one_by_one = sum(r == BadLineReason.DENSE_NOT_NUMBER for _, r, _ in kinds)
+    one_by_one += 2 * sum("\r" in line for line, _, _ in kinds)
+    assert len(reads) <= 3 + one_by_one < 60  # splitting: 604
+
+
+@pytest.mark.parametrize("policy", ["error", "skip"])
+def test_one_pass_finds_what_splitting_finds(tmp_path, monkeypatch, policy):
+    """The one-pass search of bad lines keeps the rows, counts, examples and the first
+    error of the split-and-reread it replaced (which is still the fallback)."""
+    path = _many_bad_lines(tmp_path / "many.csv")
+
+    def read() -> object:
+        try:
+            ds = dataset([path], on_bad_line=policy, csv=MULTI)
+        except DataError as e:
+            return str(e)
+        return ds.read(np.arange(ds.num_samples)), ds.bad_lines
+
+    fast = read()
+    monkeypatch.setattr(csv_source, "_find_bad_lines", lambda *args: None)
+    split = read()
+    if policy == "error":
+        assert fast == split
+        assert "many.csv, line 4, field qty" in str(fast)
+        return
+    assert fast[1] == split[1]
+    for a, b in [
+        (fast[0].dense, split[0].dense),
+        (fast[0].labels, split[0].labels),
+        (fast[0].sparse.values, split[0].sparse.values),
+        (fast[0].sparse.lengths, split[0].sparse.lengths),
+    ]:
+        assert torch.equal(a, b)
+
+
 def test_file_level_errors(tmp_path):
     """Missing file, empty file, header without a mapped column, a .gz that is not
     gzip: each a clear error naming the file."""
