@@ -277,6 +277,8 @@ def _diagnose(line: bytes, lineno: int, plan: _FilePlan) -> DataError:
     except pa.ArrowInvalid:
         table = None
     expected = _expected_fields(plan)
+    if line in (b"", b"\r"):  # "\r" is the end of an empty line of a CRLF file
+        return bad(BadLineReason.FIELD_COUNT, "fields", f"{expected}, got an empty line")
     if table is not None and table.num_rows + len(counts) > 1:
         # pyarrow ends a row at a lone "\r" too: the line read as several rows
         return bad(
@@ -413,9 +415,9 @@ def _find_bad_lines(
     if not len(lines):
         return np.zeros(n, dtype=bool), [errors[i] for i in sorted(errors)]
     widths = ends - starts - 1  # without the newline
-    # An empty line: pyarrow reads it as a row of empty fields; for _diagnose it is a
-    # line without fields.
-    empty = widths == 0
+    # An empty line ("\r" alone in a CRLF file too): pyarrow reads it as a row of empty
+    # fields; for _diagnose it is a line without fields.
+    empty = (widths == 0) | ((widths == 1) & (buf[starts] == ord("\r")))
 
     wrong_count: dict[int, int] = {}  # index in the pass -> fields pyarrow found
 

@@ -207,6 +207,21 @@ def test_bad_line_messages_say_what_is_wrong(tmp_path, line, detail):
     assert str(err.value).endswith(detail)
 
 
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_an_empty_line_is_a_field_count_error_with_any_line_end(tmp_path, newline):
+    """An empty line of a CRLF file (just "\\r") was reported as "label is not 0 or 1
+    (got '')", and counted under that reason when skipped, where the same line of an
+    LF file is a wrong number of fields, "got an empty line"."""
+    path = tmp_path / "e.csv"
+    path.write_bytes(newline.join(["label,c", "1,a", "", "0,b", ""]).encode())
+    mapping = ColumnMapping(label_column="label", sparse_columns=("c",))
+    with pytest.raises(DataError, match=r"line 3, field fields: .*got an empty line\)$"):
+        read_csv([path], mapping)
+    columns, bad = read_csv([path], mapping, on_bad_line="skip")
+    assert columns.labels.tolist() == [1.0, 0.0]
+    assert dict(bad.counts) == {"wrong number of fields": 1}
+
+
 def test_a_line_longer_than_pyarrows_block_is_read(tmp_path):
     """A multi-hot field of 400,000 ids (a 3.2 MB line) is one row, not a bad line
     (pyarrow refuses a row that straddles more than two of its 1 MiB parse blocks)."""
