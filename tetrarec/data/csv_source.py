@@ -623,7 +623,7 @@ def read_csv(
         for b in iter_csv_blocks(p, mapping, csv=csv, on_bad_line=on_bad_line, tally=tally)
     ]
     if not parts:
-        raise DataError(f"no valid rows in {[str(p) for p in paths]}")
+        raise tally.no_rows_error(str([str(p) for p in paths]))
     columns = MultiHotColumns.concatenate(parts)
     return columns, tally.freeze(columns.rows)
 

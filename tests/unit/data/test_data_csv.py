@@ -222,6 +222,19 @@ def test_an_empty_line_is_a_field_count_error_with_any_line_end(tmp_path, newlin
     assert dict(bad.counts) == {"wrong number of fields": 1}
 
 
+def test_no_rows_left_says_why_the_lines_were_skipped(tmp_path):
+    """With every line skipped the error was only "no valid rows in [...]": the
+    per-reason count and the first bad line, which the skip summary gives, were lost."""
+    path = tmp_path / "all.csv"
+    path.write_text("label,c\nyes,a\nno,b\n")
+    mapping = ColumnMapping(label_column="label", sparse_columns=("c",))
+    with pytest.raises(DataError) as err:
+        read_csv([path], mapping, on_bad_line="skip")
+    assert str(err.value).startswith(f"no valid rows in ['{path}']: read 0 rows, skipped 2 ")
+    assert "(2 label is not 0 or 1); first: " in str(err.value)
+    assert str(err.value).endswith("all.csv, line 2, field label: label is not 0 or 1 (got 'yes')")
+
+
 def test_a_line_longer_than_pyarrows_block_is_read(tmp_path):
     """A multi-hot field of 400,000 ids (a 3.2 MB line) is one row, not a bad line
     (pyarrow refuses a row that straddles more than two of its 1 MiB parse blocks)."""

@@ -267,3 +267,14 @@ def test_cli_preprocess_input_keeps_a_file_name_beyond_the_bmp(tmp_path, capsys)
     argv = ["-q", "preprocess", "csv", "--config", str(run), "--output", str(out)]
     assert main([*argv, "--input", str(src), "--no-progress"]) == 0, capsys.readouterr().err
     assert pq.read_table(out).num_rows == 4
+
+
+def test_preprocess_with_every_line_skipped_says_why(tmp_path):
+    """``preprocess csv`` with every line skipped said only "no valid rows in the
+    input", not why the lines were dropped."""
+    src = tmp_path / "all.csv"
+    src.write_text("y,d,u,t,c\n2,1,a,b,c\n")
+    with pytest.raises(DataError, match=r"no valid rows in the input: .*1 label is not 0 or 1"):
+        preprocess_to_parquet(
+            [src], tmp_path / "o.parquet", source="csv", mapping=MAPPING, on_bad_line="skip"
+        )
