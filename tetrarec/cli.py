@@ -166,6 +166,19 @@ def _write_json(path: str | None, payload: dict[str, Any]) -> None:
         Path(path).write_text(json.dumps(payload, indent=2) + "\n")
 
 
+def _toml_strings(items: list[str]) -> str:
+    r"""A TOML array of basic strings holding ``items`` exactly.
+
+    ``json.dumps`` alone is not TOML: it writes a character beyond the Basic
+    Multilingual Plane (an emoji) as a UTF-16 surrogate pair ``\ud83d\ude00``, which
+    TOML refuses. So non-ASCII text is kept as is, and only what TOML requires is
+    escaped: the quote, the backslash and the control characters (JSON escapes these
+    the TOML way too), plus DEL, which JSON leaves alone.
+    """
+    quoted = (json.dumps(s, ensure_ascii=False).replace("\x7f", "\\u007f") for s in items)
+    return f"[{', '.join(quoted)}]"
+
+
 def _with_json(config: RunConfig, path: str | None) -> RunConfig:
     """``config`` with ``train.json = path`` when ``--json`` was given."""
     if not path:
@@ -237,7 +250,7 @@ def _preprocess(args: argparse.Namespace) -> int:
     # validated (as for train): either may give what the file leaves out.
     overrides = list(args.overrides)
     if args.input:
-        overrides.append(f"data.train_path={json.dumps([str(p) for p in args.input])}")
+        overrides.append(f"data.train_path={_toml_strings([str(p) for p in args.input])}")
     data = RunConfig.from_toml(args.config, overrides).data
     summary = preprocess_to_parquet(
         data.train_path,

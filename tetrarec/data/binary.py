@@ -224,9 +224,7 @@ def preprocess_criteo(
     try:
         files, positives, tally, rows = _write_columns(paths, tmp, policy, progress)
         if rows == 0:
-            raise DataError(
-                "no valid rows in the input", path=paths[0] if len(paths) == 1 else None
-            )
+            raise tally.no_rows_error("the input", path=paths[0] if len(paths) == 1 else None)
         bad = tally.freeze(rows)
         _write_meta(tmp, rows, positives, files, bad)
         if output.exists():

@@ -270,8 +270,10 @@ class CsvConfig:
         multi_hot_columns: sparse columns whose field is a list of values joined by
             ``multi_hot_separator`` (``"a|b|c"``), one bag per row; empty items are
             dropped, so an empty field is an empty bag.
-        multi_hot_separator: the separator inside a multi-hot field; it must differ
-            from ``delimiter``.
+        multi_hot_separator: the separator inside a multi-hot field (backslash and
+            ``t`` also mean a tab, as for ``delimiter``); when ``multi_hot_columns``
+            are declared it must not contain ``delimiter`` (with ``delimiter = "|"``,
+            set another separator than the default ``"|"``).
 
     Raises:
         ValueError: naming the field and the valid values.
@@ -285,8 +287,9 @@ class CsvConfig:
 
     def __post_init__(self) -> None:
         """Validate the fields (``ValueError`` names the field) and normalize them."""
-        if self.delimiter == "\\t":  # a tab, as typed in --set data.csv.delimiter=\t
-            object.__setattr__(self, "delimiter", "\t")
+        for name in ("delimiter", "multi_hot_separator"):
+            if getattr(self, name) == "\\t":  # a tab, as typed in --set data.csv.delimiter=\t
+                object.__setattr__(self, name, "\t")
         d = self.delimiter
         if len(d) != 1 or not d.isascii() or d in _FORBIDDEN_DELIMITERS:
             raise ValueError(
@@ -306,10 +309,18 @@ class CsvConfig:
         if dup:
             raise ValueError(f"CsvConfig.column_names repeats {dup}")
         sep = self.multi_hot_separator
-        if not sep or d in sep or any(c in sep for c in _FORBIDDEN_DELIMITERS):
+        if not sep or any(c in sep for c in _FORBIDDEN_DELIMITERS):
             raise ValueError(
-                f"CsvConfig.multi_hot_separator must be a non-empty string without the "
-                f"delimiter {d!r}, a newline or a quote, got {sep!r}"
+                f"CsvConfig.multi_hot_separator must be a non-empty string without a "
+                f"newline or a quote, got {sep!r}"
+            )
+        # The separator matters only inside multi-hot fields: with none declared, the
+        # default "|" must not refuse delimiter = "|".
+        if self.multi_hot_columns and d in sep:
+            raise ValueError(
+                f"CsvConfig.multi_hot_separator {sep!r} contains the delimiter {d!r}, so "
+                f"the multi-hot columns {list(self.multi_hot_columns)} could not be split; "
+                f'set another multi_hot_separator (e.g. ";")'
             )
 
 

@@ -26,10 +26,13 @@ inside quotes is one quote); a field never spans lines: a quote left open ends a
 end of its line.
 
 Parsing is block-wise (16 MiB of whole lines through pyarrow's CSV reader, label and
-values checked with vectorized numpy). Only a block that fails (a wrong number of
+values checked with vectorized numpy). In a block that fails (a wrong number of
 fields, a bad label, a dense value that is not a finite number, bytes that are not
-UTF-8) is split into smaller runs of lines and those re-read, down to the single
-lines at fault; so the rows read never depend on where blocks end. A bad line raises
+UTF-8) the bad lines are found in one more vectorized pass and the other lines read
+again as one block (where that pass cannot tell, the block is split into smaller runs
+of lines and those re-read, down to the single lines at fault); either way the rows
+read never depend on where blocks end, and skipping bad lines costs about what
+reading the block twice does. A bad line raises
 ``DataError`` naming the file, the 1-based line number (the header is line 1) and the
 column, or with ``on_bad_line="skip"`` is dropped and counted per reason.
 """
@@ -243,13 +246,24 @@ def _bags(arr: pa.Array, name: str, plan: _FilePlan) -> tuple[np.ndarray, np.nda
     return hash_strings(items.filter(pa.array(keep))), offsets_from_lengths(lengths)
 
 
+def _bad_line(
+    plan: _FilePlan, lineno: int, reason: BadLineReason, column: str, detail: str
+) -> DataError:
+    """The ``DataError`` of a bad line: file, line, field, reason and what was found."""
+    return DataError(
+        f"{reason.value} ({detail})", path=plan.path, line=lineno, field=column, reason=reason
+    )
+
+
+def _expected_fields(plan: _FilePlan) -> str:
+    return f"expected {len(plan.names)} fields separated by {plan.csv.delimiter!r}"
+
+
 def _diagnose(line: bytes, lineno: int, plan: _FilePlan) -> DataError:
     """The ``DataError`` naming what is wrong with one line that failed to parse."""
 
     def bad(reason: BadLineReason, column: str, detail: str) -> DataError:
-        return DataError(
-            f"{reason.value} ({detail})", path=plan.path, line=lineno, field=column, reason=reason
-        )
+        return _bad_line(plan, lineno, reason, column, detail)
 
     counts: list[int] = []  # the field counts of the rows pyarrow could not take
 
@@ -262,7 +276,9 @@ def _diagnose(line: bytes, lineno: int, plan: _FilePlan) -> DataError:
         table = plan.read(line, as_bytes, invalid_row)
     except pa.ArrowInvalid:
         table = None
-    expected = f"expected {len(plan.names)} fields separated by {plan.csv.delimiter!r}"
+    expected = _expected_fields(plan)
+    if line in (b"", b"\r"):  # "\r" is the end of an empty line of a CRLF file
+        return bad(BadLineReason.FIELD_COUNT, "fields", f"{expected}, got an empty line")
     if table is not None and table.num_rows + len(counts) > 1:
         # pyarrow ends a row at a lone "\r" too: the line read as several rows
         return bad(
@@ -274,19 +290,32 @@ def _diagnose(line: bytes, lineno: int, plan: _FilePlan) -> DataError:
         got = f"got {counts[0]}" if counts else "got an empty line"
         return bad(BadLineReason.FIELD_COUNT, "fields", f"{expected}, {got}")
     for name in plan.used:
-        value: bytes = table.column(name)[0].as_py()
-        try:
-            text = value.decode("utf-8")
-        except UnicodeDecodeError:
-            return bad(BadLineReason.NOT_UTF8, name, f"got {value[:30]!r}")
-        if name == plan.mapping.label_column and text not in ("0", "1"):
-            return bad(BadLineReason.LABEL_NOT_BINARY, name, f"got {text[:20]!r}")
-        if name in plan.mapping.dense_columns:
-            problem = _dense_problem(line, name, plan)
-            if problem is not None:
-                detail = f"got {text[:30]!r}" + (f", {problem}" if "range" in problem else "")
-                return bad(BadLineReason.DENSE_NOT_NUMBER, name, detail)
+        error = _value_error(table.column(name)[0].as_py(), name, line, lineno, plan)
+        if error is not None:
+            return error
     return bad(BadLineReason.FIELD_COUNT, "fields", f"pyarrow cannot read the line {line[:60]!r}")
+
+
+def _value_error(
+    value: bytes, name: str, line: bytes, lineno: int, plan: _FilePlan
+) -> DataError | None:
+    """What is wrong with the field ``name`` of a line pyarrow could split, or ``None``.
+
+    ``value`` is the field's raw bytes; the checks, in order: UTF-8 text, a label
+    ``0``/``1``, a dense value that is a finite float32.
+    """
+    try:
+        text = value.decode("utf-8")
+    except UnicodeDecodeError:
+        return _bad_line(plan, lineno, BadLineReason.NOT_UTF8, name, f"got {value[:30]!r}")
+    if name == plan.mapping.label_column and text not in ("0", "1"):
+        return _bad_line(plan, lineno, BadLineReason.LABEL_NOT_BINARY, name, f"got {text[:20]!r}")
+    if name in plan.mapping.dense_columns:
+        problem = _dense_problem(line, name, plan)
+        if problem is not None:
+            detail = f"got {text[:30]!r}" + (f", {problem}" if "range" in problem else "")
+            return _bad_line(plan, lineno, BadLineReason.DENSE_NOT_NUMBER, name, detail)
+    return None
 
 
 def _dense_problem(line: bytes, name: str, plan: _FilePlan) -> str | None:
@@ -315,14 +344,182 @@ def _parse_lines(
 ) -> list[MultiHotColumns]:
     """The good rows of ``block`` (whole lines, each ending in a newline).
 
-    The block is read whole; if that fails it is split into ``_SPLIT`` runs of lines,
-    each read the same way, down to single lines, which are diagnosed and raised or
-    counted per ``policy``. Every row is thus read by pyarrow exactly as it would be in
-    a clean block.
+    The block is read whole. If that fails, ``_find_bad_lines`` names the bad lines in
+    one vectorized pass and the other lines are read again together, as one block;
+    where that pass cannot tell (a quoted carriage return, a value it cannot read), the
+    block is split and re-read instead (``_split_lines``). Either way every row is read
+    by pyarrow exactly as it would be in a clean block, and each bad line is raised or
+    counted per ``policy`` with the error ``_diagnose`` gives it.
     """
     n = block.count(b"\n")
     try:
         return [_parse_block(block[:-1], n, plan)]  # the last line's newline ends the input
+    except _BlockInvalidError:
+        pass
+    found = _find_bad_lines(block, first_line, plan)
+    if found is None:
+        return _split_lines(block, first_line, plan, policy, tally)
+    keep, errors = found
+    good: list[MultiHotColumns] = []
+    if keep.any():
+        try:  # nothing the pass missed: the other lines read clean, else split
+            good = [_parse_block(_select_lines(block, keep)[:-1], int(keep.sum()), plan)]
+        except _BlockInvalidError:
+            return _split_lines(block, first_line, plan, policy, tally)
+    if policy == BadLinePolicy.ERROR:
+        raise errors[0]
+    for error in errors:
+        tally.add(error)
+    return good
+
+
+# A dense value pyarrow surely reads as a float64: anything else is checked line by line.
+_NUMBER = r"^[ \t]*[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?[ \t]*$"
+
+
+def _find_bad_lines(
+    block: bytes, first_line: int, plan: _FilePlan
+) -> tuple[np.ndarray, list[DataError]] | None:
+    r"""``(keep (n,) bool, errors of the bad lines in line order)`` of a failing block.
+
+    One pyarrow read of the mapped columns as bytes, wrong field counts reported by
+    its invalid-row handler, then vectorized checks per column in file order (UTF-8,
+    label, dense); only values those checks flag are looked at one by one, with the
+    checks ``_diagnose`` makes, so the errors are the ones it gives. A line with a lone
+    ``"\r"`` (which ends a row in pyarrow) is diagnosed alone and left out of the
+    pass. ``None`` when pyarrow's rows are still not the lines (a byte-order mark, an
+    empty last line) or a value defeats the vectorized checks: the caller then splits
+    the block.
+    """
+    buf = np.frombuffer(block, dtype=np.uint8)
+    ends = np.flatnonzero(buf == ord("\n")) + 1  # (n,) end of each line, past its newline
+    starts = np.concatenate(([0], ends[:-1]))
+    n = len(ends)
+    if block.startswith(_BOM):
+        return None
+    errors: dict[int, DataError] = {}  # line index -> its error
+    # A lone "\r" ends a row in pyarrow (unless quoted): such a line is read alone, and
+    # the pass reads the other lines, whose rows are then the lines.
+    cr = np.flatnonzero(buf == ord("\r"))
+    lone_cr = np.zeros(n, dtype=bool)
+    lone_cr[np.searchsorted(ends, cr[buf[cr + 1] != ord("\n")], side="right")] = True
+    for i in np.flatnonzero(lone_cr):
+        line = block[starts[i] : ends[i] - 1]
+        try:
+            _parse_block(line, 1, plan)
+        except _BlockInvalidError:
+            errors[int(i)] = _diagnose(line, first_line + int(i), plan)
+        else:
+            return None  # a good line ("\r" quoted): the split keeps it in its place
+    lines = np.flatnonzero(~lone_cr)  # (m,) the lines of the pass
+    if not len(lines):
+        return np.zeros(n, dtype=bool), [errors[i] for i in sorted(errors)]
+    widths = ends - starts - 1  # without the newline
+    # An empty line ("\r" alone in a CRLF file too): pyarrow reads it as a row of empty
+    # fields; for _diagnose it is a line without fields.
+    empty = (widths == 0) | ((widths == 1) & (buf[starts] == ord("\r")))
+
+    wrong_count: dict[int, int] = {}  # index in the pass -> fields pyarrow found
+
+    def invalid_row(row: object) -> str:
+        number = getattr(row, "number", None)
+        if number is not None:
+            wrong_count[int(number) - 1] = int(getattr(row, "actual_columns", -1))
+        return "skip"
+
+    data = _select_lines(block, ~lone_cr)[:-1]
+    try:
+        table = plan.read(
+            data, _convert_options(dict.fromkeys(plan.used, pa.binary())), invalid_row
+        )
+    except pa.ArrowInvalid:
+        return None
+    m = len(lines)
+    if table.num_rows + len(wrong_count) != m or any(not 0 <= k < m for k in wrong_count):
+        return None
+    expected = _expected_fields(plan)
+    for k, count in wrong_count.items():
+        i = int(lines[k])
+        errors[i] = _bad_line(
+            plan, first_line + i, BadLineReason.FIELD_COUNT, "fields", f"{expected}, got {count}"
+        )
+    rows = np.delete(lines, np.fromiter(wrong_count, dtype=np.int64))  # table row -> line
+    for i in rows[empty[rows]]:
+        errors[int(i)] = _bad_line(
+            plan,
+            first_line + int(i),
+            BadLineReason.FIELD_COUNT,
+            "fields",
+            f"{expected}, got an empty line",
+        )
+    pending = ~empty[rows]  # table rows with no error yet
+    for name in plan.used:
+        column = table.column(name).combine_chunks()
+        flagged = _flag_values(column, name, plan)
+        if flagged is None:
+            return None
+        values = column.to_pylist() if (flagged & pending).any() else []
+        for j in np.flatnonzero(flagged & pending):
+            i = int(rows[j])
+            line = block[starts[i] : ends[i] - 1]
+            error = _value_error(values[j], name, line, first_line + i, plan)
+            if error is not None:
+                errors[i], pending[j] = error, False
+    keep = np.ones(n, dtype=bool)
+    keep[list(errors)] = False
+    return keep, [errors[i] for i in sorted(errors)]
+
+
+def _flag_values(column: pa.Array, name: str, plan: _FilePlan) -> np.ndarray | None:
+    """``(rows,) bool``: the values of one column (raw bytes) that may be bad.
+
+    Vectorized and never missing a bad value the reader would refuse; a flagged value
+    may be good (``_value_error`` decides). ``None`` if a dense value matching
+    ``_NUMBER`` is refused by pyarrow's cast (the caller falls back to splitting).
+    """
+    try:
+        text = column.cast(pa.string())
+    except pa.ArrowInvalid:  # not UTF-8 somewhere: look at each value
+        return np.ones(len(column), dtype=bool)
+    if name == plan.mapping.label_column:
+        ok = pc.is_in(text, value_set=pa.array(["0", "1"]))
+        return ~ok.to_numpy(zero_copy_only=False)
+    if name not in plan.mapping.dense_columns:
+        return np.zeros(len(column), dtype=bool)
+    number = pc.match_substring_regex(text, _NUMBER).to_numpy(zero_copy_only=False)
+    empty = pc.equal(pc.utf8_length(text), 0).to_numpy(zero_copy_only=False)
+    try:
+        values = pc.cast(
+            pc.if_else(pa.array(number), pc.utf8_trim(text, " \t"), "0"), pa.float64()
+        ).to_numpy(zero_copy_only=False)
+    except pa.ArrowInvalid:
+        return None
+    with np.errstate(over="ignore"):
+        finite = np.isfinite(values.astype(np.float32))
+    return ~((number & finite) | empty)
+
+
+def _select_lines(block: bytes, keep: np.ndarray) -> bytes:
+    """The lines of ``block`` (each ending in a newline) where ``keep``, in order."""
+    buf = np.frombuffer(block, dtype=np.uint8)
+    ends = np.flatnonzero(buf == ord("\n")) + 1
+    line_of_byte = np.repeat(np.arange(len(ends)), np.diff(ends, prepend=0))
+    return buf[keep[line_of_byte]].tobytes()
+
+
+def _split_lines(
+    block: bytes, first_line: int, plan: _FilePlan, policy: BadLinePolicy, tally: BadLineTally
+) -> list[MultiHotColumns]:
+    """The good rows of ``block``, found by splitting it.
+
+    The block is read whole, else as ``_SPLIT`` runs of lines, each read the same way,
+    down to single lines, which are diagnosed and raised or counted per ``policy``.
+    Slow with many bad lines (each costs about ``_SPLIT * log(lines)`` reads):
+    ``_parse_lines`` uses it only where ``_find_bad_lines`` cannot tell.
+    """
+    n = block.count(b"\n")
+    try:
+        return [_parse_block(block[:-1], n, plan)]
     except _BlockInvalidError:
         pass
     if n == 1:
@@ -337,7 +534,7 @@ def _parse_lines(
     for lo in range(0, n, step):
         hi = min(lo + step, n)
         start = 0 if lo == 0 else int(ends[lo - 1])
-        parts += _parse_lines(
+        parts += _split_lines(
             block[start : int(ends[hi - 1])], first_line + lo, plan, policy, tally
         )
     return parts
@@ -426,7 +623,7 @@ def read_csv(
         for b in iter_csv_blocks(p, mapping, csv=csv, on_bad_line=on_bad_line, tally=tally)
     ]
     if not parts:
-        raise DataError(f"no valid rows in {[str(p) for p in paths]}")
+        raise tally.no_rows_error(str([str(p) for p in paths]))
     columns = MultiHotColumns.concatenate(parts)
     return columns, tally.freeze(columns.rows)
 

@@ -95,6 +95,15 @@ class BadLineTally:
         if len(self.examples) < _MAX_EXAMPLES:
             self.examples.append(str(error))
 
+    def no_rows_error(self, where: str, path: str | Path | None = None) -> DataError:
+        """The error of an input with no row left, ``"no valid rows in {where}"``.
+
+        When lines were skipped it gives their per-reason count and the first one, as
+        the skip summary does: otherwise the reason every line was dropped is lost.
+        """
+        why = f": {self.freeze(0).summary()}" if self.counts else ""
+        return DataError(f"no valid rows in {where}{why}", path=path)
+
     def freeze(self, rows_read: int) -> BadLineSummary:
         """The immutable summary, with ``rows_read`` good rows."""
         ordered = {r.value: self.counts[r] for r in BadLineReason if self.counts[r]}

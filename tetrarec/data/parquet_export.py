@@ -187,9 +187,7 @@ def preprocess_to_parquet(
                     positives += int(block.labels.sum())
                 files.append((str(p), rows - before))
         if writer is None or rows == 0:
-            raise DataError(
-                "no valid rows in the input", path=paths[0] if len(paths) == 1 else None
-            )
+            raise tally.no_rows_error("the input", path=paths[0] if len(paths) == 1 else None)
         bad = tally.freeze(rows)
         meta = {"source": kind.value, "files": files, "bad_lines": bad.to_dict()}
         writer.add_key_value_metadata({METADATA_KEY: json.dumps(meta)})

@@ -207,6 +207,34 @@ def test_bad_line_messages_say_what_is_wrong(tmp_path, line, detail):
     assert str(err.value).endswith(detail)
 
 
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_an_empty_line_is_a_field_count_error_with_any_line_end(tmp_path, newline):
+    """An empty line of a CRLF file (just "\\r") was reported as "label is not 0 or 1
+    (got '')", and counted under that reason when skipped, where the same line of an
+    LF file is a wrong number of fields, "got an empty line"."""
+    path = tmp_path / "e.csv"
+    path.write_bytes(newline.join(["label,c", "1,a", "", "0,b", ""]).encode())
+    mapping = ColumnMapping(label_column="label", sparse_columns=("c",))
+    with pytest.raises(DataError, match=r"line 3, field fields: .*got an empty line\)$"):
+        read_csv([path], mapping)
+    columns, bad = read_csv([path], mapping, on_bad_line="skip")
+    assert columns.labels.tolist() == [1.0, 0.0]
+    assert dict(bad.counts) == {"wrong number of fields": 1}
+
+
+def test_no_rows_left_says_why_the_lines_were_skipped(tmp_path):
+    """With every line skipped the error was only "no valid rows in [...]": the
+    per-reason count and the first bad line, which the skip summary gives, were lost."""
+    path = tmp_path / "all.csv"
+    path.write_text("label,c\nyes,a\nno,b\n")
+    mapping = ColumnMapping(label_column="label", sparse_columns=("c",))
+    with pytest.raises(DataError) as err:
+        read_csv([path], mapping, on_bad_line="skip")
+    assert str(err.value).startswith(f"no valid rows in ['{path}']: read 0 rows, skipped 2 ")
+    assert "(2 label is not 0 or 1); first: " in str(err.value)
+    assert str(err.value).endswith("all.csv, line 2, field label: label is not 0 or 1 (got 'yes')")
+
+
 def test_a_line_longer_than_pyarrows_block_is_read(tmp_path):
     """A multi-hot field of 400,000 ids (a 3.2 MB line) is one row, not a bad line
     (pyarrow refuses a row that straddles more than two of its 1 MiB parse blocks)."""
@@ -265,6 +293,71 @@ def test_bad_lines_found_exactly_whatever_the_block_size(tmp_path, monkeypatch):
         assert_same(ds, clean)
 
 
+def _many_bad_lines(path: Path) -> Path:
+    """1,000 good rows with every kind of bad line of ``BAD`` strewn among them."""
+    rng = np.random.default_rng(0)
+    lines = [",".join(r) for r in ROWS * 333] + [",".join(ROWS[0])]
+    for k, at in enumerate(sorted(rng.choice(len(lines), 60, replace=False), reverse=True)):
+        lines.insert(int(at), BAD[k % len(BAD)][0])
+    text = "\n".join([",".join(NAMES), *lines]) + "\n"
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    return path
+
+
+def test_skip_finds_many_bad_lines_in_a_few_reads(tmp_path, monkeypatch):
+    """Skip mode with a few percent of bad lines was hundreds of times slower than a
+    clean file: a failing block was split 16 ways and re-read recursively, about
+    16 * log16(lines) pyarrow reads per bad line. The bad lines of a block are now
+    found in one pass, and the rest read as one block."""
+    path = _many_bad_lines(tmp_path / "many.csv")
+    reads = []
+    real_read = csv_source._FilePlan.read
+    monkeypatch.setattr(
+        csv_source._FilePlan,
+        "read",
+        lambda self, *a, **k: reads.append(1) or real_read(self, *a, **k),
+    )
+    ds = dataset([path], on_bad_line="skip", csv=MULTI)
+    assert ds.bad_lines.skipped == 60
+    assert ds.num_samples == 1000
+    # the whole block, the pass over it, the good lines; and the reads of each line only
+    # pyarrow can judge: a dense value that is not a number (1), a lone "\r" (2)
+    kinds = [BAD[k % len(BAD)] for k in range(60)]
+    one_by_one = sum(r == BadLineReason.DENSE_NOT_NUMBER for _, r, _ in kinds)
+    one_by_one += 2 * sum("\r" in line for line, _, _ in kinds)
+    assert len(reads) <= 3 + one_by_one < 60  # splitting: 604
+
+
+@pytest.mark.parametrize("policy", ["error", "skip"])
+def test_one_pass_finds_what_splitting_finds(tmp_path, monkeypatch, policy):
+    """The one-pass search of bad lines keeps the rows, counts, examples and the first
+    error of the split-and-reread it replaced (which is still the fallback)."""
+    path = _many_bad_lines(tmp_path / "many.csv")
+
+    def read() -> object:
+        try:
+            ds = dataset([path], on_bad_line=policy, csv=MULTI)
+        except DataError as e:
+            return str(e)
+        return ds.read(np.arange(ds.num_samples)), ds.bad_lines
+
+    fast = read()
+    monkeypatch.setattr(csv_source, "_find_bad_lines", lambda *args: None)
+    split = read()
+    if policy == "error":
+        assert fast == split
+        assert "many.csv, line 4, field qty" in str(fast)
+        return
+    assert fast[1] == split[1]
+    for a, b in [
+        (fast[0].dense, split[0].dense),
+        (fast[0].labels, split[0].labels),
+        (fast[0].sparse.values, split[0].sparse.values),
+        (fast[0].sparse.lengths, split[0].sparse.lengths),
+    ]:
+        assert torch.equal(a, b)
+
+
 def test_file_level_errors(tmp_path):
     """Missing file, empty file, header without a mapped column, a .gz that is not
     gzip: each a clear error naming the file."""
@@ -301,8 +394,10 @@ def test_config_fields_are_validated():
         CsvConfig(header=False)
     with pytest.raises(ValueError, match=r"column_names repeats \['a'\]"):
         CsvConfig(header=False, column_names=("a", "b", "a"))
-    with pytest.raises(ValueError, match="multi_hot_separator"):
-        CsvConfig(delimiter="|", multi_hot_separator="|")
+    with pytest.raises(ValueError, match=r"multi_hot_separator '\|' contains the delimiter"):
+        CsvConfig(delimiter="|", multi_hot_columns=("t",))
+    with pytest.raises(ValueError, match="multi_hot_separator must be a non-empty"):
+        CsvConfig(multi_hot_separator="")
     with pytest.raises(ValueError, match=r"needs DataConfig\.sparse_columns"):
         DataConfig(source="csv", train_path=("a.csv",))
     with pytest.raises(ValueError, match=r"multi_hot_columns \['x'\] are not sparse_columns"):
@@ -317,6 +412,29 @@ def test_config_fields_are_validated():
         )
     with pytest.raises(ValueError, match=r"uses columns \['u'\] more than once"):
         ColumnMapping(label_column="y", dense_columns=("u",), sparse_columns=("u",))
+
+
+def test_pipe_delimiter_without_multi_hot_columns_is_accepted(tmp_path):
+    """``delimiter = "|"`` (an example delimiter of the docs) was refused because it is
+    in the default ``multi_hot_separator``, even with no multi-hot column to split."""
+    path = tmp_path / "p.csv"
+    path.write_text("label|c\n1|a\n0|b\n")
+    mapping = ColumnMapping(label_column="label", sparse_columns=("c",))
+    columns, _ = read_csv([path], mapping, csv=CsvConfig(delimiter="|"))
+    assert columns.labels.tolist() == [1.0, 0.0]
+
+
+def test_multi_hot_separator_backslash_t_is_a_tab_like_the_delimiter(tmp_path):
+    """``multi_hot_separator`` typed as backslash + t (``--set ...=\\t``, TOML ``"\\\\t"``)
+    was kept as those two characters while ``delimiter`` spelled the same way became a
+    tab: tab-joined bags were silently read as one item per row."""
+    assert CsvConfig(delimiter=";", multi_hot_separator="\\t").multi_hot_separator == "\t"
+    path = tmp_path / "t.csv"
+    path.write_text("label;tags\n1;a\tb\tc\n0;d\te\n")
+    mapping = ColumnMapping(label_column="label", sparse_columns=("tags",))
+    csv = CsvConfig(delimiter=";", multi_hot_columns=("tags",), multi_hot_separator="\\t")
+    columns, _ = read_csv([path], mapping, csv=csv)
+    assert np.diff(columns.offsets[0]).tolist() == [3, 2]
 
 
 def test_build_datasets_reads_the_csv_source(tmp_path):

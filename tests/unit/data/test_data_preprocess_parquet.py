@@ -249,3 +249,32 @@ def test_cli_preprocess_takes_the_path_from_input_or_set_and_writes_json(
     assert written["positives"] == 2
     assert written["files"] == [{"path": str(src), "rows": 4}]
     assert written["bad_lines"]["skipped"] == 1
+
+
+def test_cli_preprocess_input_keeps_a_file_name_beyond_the_bmp(tmp_path, capsys):
+    """``--input`` with an emoji (beyond the Basic Multilingual Plane) in the file name
+    failed "input file not found: .../data_\\ud83d\\ude00.csv": the path was handed to
+    the TOML override parser as ``json.dumps`` text, whose surrogate-pair escape TOML
+    refuses, so the escaped text itself was taken as the file name."""
+    src = tmp_path / 'data_\U0001f600 "q" \\ \x7f.csv'
+    src.write_text(CSV_TEXT)
+    run = tmp_path / "run.toml"
+    run.write_text(
+        '[data]\nsource = "csv"\nlabel_column = "y"\ndense_columns = ["d"]\n'
+        'sparse_columns = ["u", "t", "c"]\non_bad_line = "skip"\n'
+    )
+    out = tmp_path / "ids.parquet"
+    argv = ["-q", "preprocess", "csv", "--config", str(run), "--output", str(out)]
+    assert main([*argv, "--input", str(src), "--no-progress"]) == 0, capsys.readouterr().err
+    assert pq.read_table(out).num_rows == 4
+
+
+def test_preprocess_with_every_line_skipped_says_why(tmp_path):
+    """``preprocess csv`` with every line skipped said only "no valid rows in the
+    input", not why the lines were dropped."""
+    src = tmp_path / "all.csv"
+    src.write_text("y,d,u,t,c\n2,1,a,b,c\n")
+    with pytest.raises(DataError, match=r"no valid rows in the input: .*1 label is not 0 or 1"):
+        preprocess_to_parquet(
+            [src], tmp_path / "o.parquet", source="csv", mapping=MAPPING, on_bad_line="skip"
+        )
