@@ -195,13 +195,35 @@ def _read_some(stream: io.BufferedIOBase, path: Path) -> bytes:
 
 
 def _header(line: bytes, path: Path, csv: CsvConfig) -> list[str]:
-    """The column names of a header line."""
+    r"""The column names of a header line (without its ``"\n"``).
+
+    A lone ``"\r"`` inside the line makes it bad, as it does a data line: pyarrow
+    ends a row there, so the names would be those of the part before it and the rest
+    (every line of a file with classic-Mac ``"\r"`` line ends) would be read as rows.
+    """
+    extra_rows = 0  # rows after the first, which pyarrow ends at a lone "\r"
+
+    def invalid_row(row: object) -> str:
+        nonlocal extra_rows
+        extra_rows += 1
+        return "skip"
+
     try:
-        names: list[str] = pacsv.read_csv(
-            pa.py_buffer(line + b"\n"), parse_options=_parse_options(csv.delimiter)
-        ).column_names
+        table = pacsv.read_csv(
+            pa.py_buffer(line + b"\n"),
+            read_options=pacsv.ReadOptions(use_threads=False),
+            parse_options=_parse_options(csv.delimiter, invalid_row),
+        )
     except (pa.ArrowInvalid, UnicodeDecodeError) as e:
         raise DataError(f"cannot read the header line ({e})", path=path, line=1) from None
+    if table.num_rows + extra_rows:
+        raise DataError(
+            "cannot read the header line (got a carriage return inside the line, which"
+            " splits it; lines must end in \\n or \\r\\n)",
+            path=path,
+            line=1,
+        )
+    names: list[str] = table.column_names
     return names
 
 

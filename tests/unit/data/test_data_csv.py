@@ -222,6 +222,31 @@ def test_an_empty_line_is_a_field_count_error_with_any_line_end(tmp_path, newlin
     assert dict(bad.counts) == {"wrong number of fields": 1}
 
 
+@pytest.mark.parametrize("policy", ["error", "skip"])
+@pytest.mark.parametrize(
+    "data", [b"label,c\r1,a\r0,b\r", b"label,c\rjunk,more\n1,a\n", b"label,c\r1,a,x\n1,a\n"]
+)
+def test_a_lone_carriage_return_in_the_header_line_is_an_error(tmp_path, policy, data):
+    """pyarrow ends a row at a lone "\\r": the header's names were those of the part
+    before it and the rest was dropped, so a classic-Mac file (all "\\r" line ends) gave
+    "no valid rows" with no line or reason, and a stray "\\r" in a header line was
+    accepted silently. It names line 1 and the carriage return, even in skip mode (no
+    line of a file can be read without its header); a header ending in "\\r\\n" and a
+    quoted "\\r" are still read."""
+    mapping = ColumnMapping(label_column="label", sparse_columns=("c",))
+    path = tmp_path / "mac.csv"
+    path.write_bytes(data)
+    with pytest.raises(DataError) as err:
+        read_csv([path], mapping, on_bad_line=policy)
+    assert str(err.value).startswith(
+        f"{path}, line 1: cannot read the header line (got a carriage return inside the line"
+    )
+    path.write_bytes(b"label,c\r\n1,a\r\n")
+    assert read_csv([path], mapping, on_bad_line=policy)[0].labels.tolist() == [1.0]
+    path.write_bytes(b'label,"c\rx",c\n1,a,b\n')
+    assert read_csv([path], mapping, on_bad_line=policy)[0].labels.tolist() == [1.0]
+
+
 def test_no_rows_left_says_why_the_lines_were_skipped(tmp_path):
     """With every line skipped the error was only "no valid rows in [...]": the
     per-reason count and the first bad line, which the skip summary gives, were lost."""
