@@ -3,7 +3,8 @@
 The mapping (``ColumnMapping``) names the dense columns (numbers, nulls -> 0, used as
 they are: no transform; NaN, inf and values beyond float32's range are refused, naming
 the row), the sparse columns (in feature order) and the 0/1 label
-column (integers, floats, booleans or the strings ``"0"``/``"1"``). A sparse column may
+column (integers, floats, booleans or the strings ``"0"``/``"1"``; label and dense
+columns may be dictionary-encoded, as a pandas categorical is). A sparse column may
 hold:
 
 - integers: one id per row, the value itself; null -> the raw value 0 as in Criteo;
@@ -58,14 +59,25 @@ def _open(path: Path, columns: Sequence[str]) -> pq.ParquetFile:
     return file
 
 
+def _decoded(col: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """``col`` as one array; a dictionary-encoded column decoded to its value type.
+
+    A label or dense column stored as a dictionary (a pandas categorical) is then
+    checked and read by the values it holds, as a plain column of that type is.
+    """
+    if pa.types.is_dictionary(col.type):
+        col = col.cast(col.type.value_type)
+    return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+
+
 def _numbers(col: pa.ChunkedArray | pa.Array, path: Path, name: str) -> np.ndarray:
+    arr = _decoded(col)
     if not (
-        pa.types.is_integer(col.type)
-        or pa.types.is_floating(col.type)
-        or pa.types.is_boolean(col.type)
+        pa.types.is_integer(arr.type)
+        or pa.types.is_floating(arr.type)
+        or pa.types.is_boolean(arr.type)
     ):
-        raise DataError(f"expected a numeric column, got {col.type}", path=path, field=name)
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        raise DataError(f"expected a numeric column, got {arr.type}", path=path, field=name)
     if pa.types.is_boolean(arr.type):
         arr = arr.cast(pa.int8())  # fill_null(0) cannot fill a boolean array
     values: np.ndarray = arr.fill_null(0).to_numpy(zero_copy_only=False).astype(np.float64)
@@ -105,7 +117,7 @@ def _bad_rows(
 
 
 def _labels(col: pa.ChunkedArray, path: Path, name: str, first_row: int) -> np.ndarray:
-    arr = col.combine_chunks()
+    arr = _decoded(col)
     if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
         ok = pc.is_in(arr, value_set=pa.array(["0", "1"], arr.type)).fill_null(False)
         values = np.where(pc.equal(arr, "1").fill_null(False).to_numpy(zero_copy_only=False), 1, 0)

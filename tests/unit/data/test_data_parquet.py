@@ -227,6 +227,30 @@ def test_string_labels_are_0_or_1(tmp_path, kind):
     assert str(e.value).endswith(msg)
 
 
+def test_dictionary_encoded_label_and_dense_columns_are_read_as_their_values(tmp_path):
+    """A label column of dictionary<string> "0"/"1" (a pandas categorical) was refused as
+    "expected a numeric column, got dictionary<...>", though its values are accepted as
+    plain strings and a sparse column may be dictionary<string>; the same for a
+    dictionary<int> label or dense column. A bad value is still named with its row."""
+    p = write(
+        tmp_path / "a.parquet",
+        y=pa.array(["1", "0", "1"]).dictionary_encode(),
+        d=pa.array([2.5, None, 2.5]).dictionary_encode(),
+        s=[1, 2, 3],
+    )
+    cols = read_parquet([p], mapping())
+    assert cols.labels.tolist() == [1.0, 0.0, 1.0]
+    assert cols.dense.tolist() == [[2.5], [0.0], [2.5]]
+    q = write(tmp_path / "b.parquet", y=pa.array([0, 1]).dictionary_encode(), d=[1, 2], s=[1, 2])
+    assert read_parquet([q], mapping()).labels.tolist() == [0.0, 1.0]
+    bad = write(
+        tmp_path / "c.parquet", y=pa.array(["1", "yes"]).dictionary_encode(), d=[1, 2], s=[1, 2]
+    )
+    with pytest.raises(DataError) as e:
+        read_parquet([bad], mapping())
+    assert str(e.value) == f"{bad}, field y: label is not 0 or 1 (row 2 holds 'yes'; 1 such rows)"
+
+
 def test_a_null_numeric_label_is_refused(tmp_path):
     """A null label is not 0: it is refused like a 2, and counted with the other bad rows."""
     p = write(tmp_path / "a.parquet", y=pa.array([0, None, 3, 1]), d=[1] * 4, s=[1] * 4)
