@@ -6,7 +6,6 @@ times on these shared machines vary by +-15% between processes.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import resource
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from tetrarec import jsonio
 
 
 @dataclass
@@ -157,7 +158,7 @@ def write_json(
     env["kernels"] = kernels if kernels is not None else kernel_summary()
     payload = {"env": env, "config": config, "results": results, **extra}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+    Path(path).write_text(jsonio.dumps(payload, indent=2) + "\n")
     print(f"wrote {path}", file=sys.stderr)
 
 

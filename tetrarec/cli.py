@@ -41,6 +41,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tetrarec import jsonio
+
 if TYPE_CHECKING:
     from tetrarec.config import RunConfig
 
@@ -163,7 +165,7 @@ def _parser() -> argparse.ArgumentParser:
 def _write_json(path: str | None, payload: dict[str, Any]) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+        Path(path).write_text(jsonio.dumps(payload, indent=2) + "\n")
 
 
 def _toml_strings(items: list[str]) -> str:

@@ -43,6 +43,10 @@ and only when the TOML reading does not fit the field, as plain text: a bare str
 ``"123"``), or, for a list field, comma-separated items (``model.dlrm.top_mlp=64,1``,
 ``data.train_path=a.tsv,b.tsv``, or one bare path). To set a ``str | None`` field to
 the text "none", quote it (``="none"``).
+
+A float field also takes the strings ``"inf"`` and ``"-inf"`` (in the file, an override
+or a dict): ``to_dict`` writes an infinity so, since JSON has no number for it and a
+checkpoint's ``meta.json`` must give the config back (``tetrarec.jsonio``).
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from tetrarec import jsonio
 from tetrarec.cache import CachePolicy, CacheSpec
 from tetrarec.data.config import DataConfig
 from tetrarec.embedding import SparseOptimizerSpec
@@ -650,7 +655,13 @@ _T = TypeVar("_T", bound="DataclassInstance")
 
 
 def config_to_dict(obj: Any) -> Any:
-    """Convert a config dataclass (recursively) into TOML-compatible plain values."""
+    """Convert a config dataclass (recursively) into TOML- and JSON-compatible plain values.
+
+    An infinite float becomes ``"inf"``/``"-inf"`` (JSON has no number for it), which
+    ``config_from_dict`` reads back as the float.
+    """
+    if isinstance(obj, float):
+        return jsonio.inf_text(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return _fields_to_dict(obj)
     if isinstance(obj, enum.Enum):
@@ -747,6 +758,8 @@ _SCALARS: dict[type, tuple[type, ...]] = {
 
 def _convert_scalar(hint: Any, value: Any, where: str) -> Any:
     accepted = _SCALARS.get(hint)
+    if hint is float:  # "inf"/"-inf": an infinity as config_to_dict writes it for JSON
+        value = jsonio.parse_inf(value)
     if accepted is None:
         raise TypeError(f"{where}: unsupported config field type {hint!r}")
     # bool is an int subclass: an int field must not take True, nor a bool field 1.

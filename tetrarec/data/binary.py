@@ -36,6 +36,7 @@ from typing import BinaryIO
 import numpy as np
 from tqdm import tqdm
 
+from tetrarec import jsonio
 from tetrarec.data.config import BadLinePolicy, DenseKind
 from tetrarec.data.criteo import NUM_DENSE, NUM_SPARSE, iter_criteo_blocks
 from tetrarec.data.errors import BadLineSummary, BadLineTally, DataError, DataFileNotFoundError
@@ -187,7 +188,7 @@ def _write_meta(
         "files": [{"path": p, "rows": n} for p, n in files],
         "bad_lines": bad.to_dict(),
     }
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    (tmp / "meta.json").write_text(jsonio.dumps(meta, indent=2) + "\n")
 
 
 def preprocess_criteo(

@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from tetrarec import jsonio
+
 __all__ = [
     "BadLinePolicy",
     "CsvConfig",
@@ -132,7 +134,11 @@ def _dense_kinds(value: object) -> DenseKind | tuple[DenseKind, ...] | str:
 
 
 def _dense_clip(value: object) -> tuple[tuple[float, float], ...] | tuple[float, float] | None:
-    """``dense_clip`` normalized: ``None``, one ``(lo, hi)`` or a tuple of them."""
+    """``dense_clip`` normalized: ``None``, one ``(lo, hi)`` or a tuple of them.
+
+    A bound may be the string ``"inf"`` or ``"-inf"`` (``jsonio.parse_inf``): JSON has
+    no number for an infinity, so a checkpoint's ``meta.json`` holds the config so.
+    """
     if value is None:
         return None
     bad = ValueError(
@@ -141,13 +147,13 @@ def _dense_clip(value: object) -> tuple[tuple[float, float], ...] | tuple[float,
     )
     if not isinstance(value, Iterable) or isinstance(value, str):
         raise bad
-    items = list(value)
+    items = [jsonio.parse_inf(v) for v in value]
     pairs = items if items and not isinstance(items[0], int | float) else [items]
     out = []
     for pair in pairs:
         if isinstance(pair, str) or not isinstance(pair, Iterable):
             raise bad
-        bounds = list(pair)
+        bounds = [jsonio.parse_inf(b) for b in pair]
         if len(bounds) != 2 or not all(
             isinstance(b, int | float) and not isinstance(b, bool) for b in bounds
         ):
@@ -361,8 +367,9 @@ class DataConfig:
             them.
         dense_clip: optional ``[lo, hi]`` applied to every dense column after the
             transform, or a list of ``[lo, hi]``, one per column (``-inf``/``inf``
-            leave a side open). A list's length, like ``dense_transform``'s, is
-            checked against the data's dense columns when the data is loaded.
+            leave a side open; also as the strings ``"-inf"``/``"inf"``). A list's
+            length, like ``dense_transform``'s, is checked against the data's dense
+            columns when the data is loaded.
         synthetic: settings of the synthetic source.
         csv: how the csv source reads its files (delimiter, header or column names,
             multi-hot columns); see ``CsvConfig``.

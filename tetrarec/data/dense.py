@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from tetrarec import jsonio
 from tetrarec.data.config import AUTO_DENSE, DataConfig, DenseKind
 from tetrarec.data.datasets import Dataset, read_dense_rows
 from tetrarec.data.errors import BadLineSummary, DataError
@@ -392,12 +393,18 @@ class DenseTransform:
             "kinds": [k.value for k in self.kinds],
             "mean": list(self.mean),
             "std": list(self.std),
-            "clip": None if self.clip is None else [list(c) for c in self.clip],
+            # an open side (+-inf) as "inf"/"-inf": JSON has no number for it
+            "clip": None
+            if self.clip is None
+            else [[jsonio.inf_text(b) for b in c] for c in self.clip],
         }
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> DenseTransform:
         """Inverse of ``to_dict`` (floats round-trip exactly through JSON).
+
+        A clip bound may be ``"inf"``/``"-inf"`` (as ``to_dict`` writes it) or a float
+        infinity (as checkpoints of earlier versions hold it, ``-Infinity``).
 
         Raises:
             ValueError: if ``values`` is not a saved transform of a known version.
@@ -413,7 +420,9 @@ class DenseTransform:
                 kinds=tuple(values["kinds"]),
                 mean=tuple(values["mean"]),
                 std=tuple(values["std"]),
-                clip=None if clip is None else tuple((lo, hi) for lo, hi in clip),
+                clip=None
+                if clip is None
+                else tuple((jsonio.parse_inf(lo), jsonio.parse_inf(hi)) for lo, hi in clip),
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed saved dense transform ({e!r}): {values!r:.200}") from e

@@ -17,7 +17,6 @@ holds JSON describing the inputs and the skipped lines. The file is written besi
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -30,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from tetrarec import jsonio
 from tetrarec.data.binary import PreprocessSummary
 from tetrarec.data.config import BadLinePolicy, CsvConfig, DataSource
 from tetrarec.data.csv_source import iter_csv_blocks
@@ -190,7 +190,7 @@ def preprocess_to_parquet(
             raise tally.no_rows_error("the input", path=paths[0] if len(paths) == 1 else None)
         bad = tally.freeze(rows)
         meta = {"source": kind.value, "files": files, "bad_lines": bad.to_dict()}
-        writer.add_key_value_metadata({METADATA_KEY: json.dumps(meta)})
+        writer.add_key_value_metadata({METADATA_KEY: jsonio.dumps(meta)})
         writer.close()
         tmp.rename(output)
     except BaseException:

@@ -12,12 +12,12 @@ the report adds why.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tetrarec import jsonio
 from tetrarec.planner.cost import (
     Option,
     dense_seconds,
@@ -156,7 +156,7 @@ class PlanReport:
 
     def save(self, path: str | Path) -> None:
         """Write ``to_dict`` as JSON."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        Path(path).write_text(jsonio.dumps(self.to_dict(), indent=1) + "\n")
 
     def summary(self) -> str:
         """A few lines: step time, imbalance, memory use per tier."""

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tetrarec import jsonio
 from tetrarec.embedding import TableConfig
 from tetrarec.types import Placement, Precision, ShardingType
 
@@ -290,7 +291,7 @@ class ShardingPlan:
 
     def to_json(self) -> str:
         """Indented JSON."""
-        return json.dumps(self.to_dict(), indent=1)
+        return jsonio.dumps(self.to_dict(), indent=1)
 
     def save(self, path: str | Path) -> None:
         """Write the plan as JSON."""

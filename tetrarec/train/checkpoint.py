@@ -42,6 +42,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from tetrarec import jsonio
 from tetrarec.comm import Communicator
 
 __all__ = [
@@ -167,7 +168,7 @@ def _save_flushed(tensors: dict[str, torch.Tensor], path: Path) -> None:
 def _write_meta(directory: Path, data: CheckpointData) -> None:
     meta = {"format": CHECKPOINT_FORMAT, "step": data.step, **data.meta}
     with open(directory / _META, "w") as f:
-        json.dump(meta, f, indent=1, sort_keys=True)
+        f.write(jsonio.dumps(meta, indent=1, sort_keys=True))
         f.flush()
         os.fsync(f.fileno())
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -46,6 +45,7 @@ import torch
 import torch.nn.functional as F  # torch's convention
 from tqdm import tqdm
 
+from tetrarec import jsonio
 from tetrarec.cache import CacheStats
 from tetrarec.comm import LaunchInfo, destroy, is_joined, joined_backend
 from tetrarec.config import DeviceKind, RunConfig, TrainConfig
@@ -823,5 +823,5 @@ def _log_summary(result: TrainResult, planned: int, patience: int) -> None:
 def _write_json(path: str, result: TrainResult, config: RunConfig) -> None:
     payload = {**result.to_dict(), "config": config.to_dict()}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+    Path(path).write_text(jsonio.dumps(payload, indent=2) + "\n")
     logger.info("wrote %s", path)

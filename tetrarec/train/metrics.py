@@ -80,14 +80,18 @@ class Metrics:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Metrics:
-        """Inverse of ``to_dict``.
+        """Inverse of ``to_dict``; a ``null`` metric is ``nan``.
+
+        JSON has no NaN: the files tetrarec writes hold a NaN metric (the AUC of
+        evaluation rows with one label) as ``null`` (``tetrarec.jsonio``).
 
         Raises:
             ValueError: if a metric is missing or unknown.
         """
         try:
-            return cls(**values)
-        except TypeError as e:
+            plain: dict[str, Any] = {k: math.nan if v is None else v for k, v in values.items()}
+            return cls(**plain)
+        except (TypeError, AttributeError) as e:  # not a dict, or a key missing or unknown
             raise ValueError(f"not a Metrics dict ({e}): {values}") from e
 
     def summary(self) -> str:

@@ -324,6 +324,32 @@ def test_config_fields_validate_parse_and_round_trip() -> None:
         assert RunConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 
+def test_an_infinite_clip_bound_is_written_as_text_json_can_hold(tmp_path) -> None:
+    """Bug caught: ``to_dict`` kept the float -inf, which ``json.dumps`` writes as the
+    bare token ``-Infinity`` (not JSON: strict parsers refuse the checkpoint's meta.json
+    and the --json summary). It is the string "-inf" now, which the loader reads back,
+    from TOML, --set and a dict alike; older files' float infinities still load."""
+    run = RunConfig().with_overrides(["data.dense_clip=[-inf, 3]"])
+    text = json.dumps(run.to_dict(), allow_nan=False)  # ValueError with a float inf
+    assert json.loads(text)["data"]["dense_clip"] == ["-inf", 3.0]
+    assert RunConfig.from_dict(json.loads(text)) == run
+    old = json.dumps({"data": {"dense_clip": [-math.inf, 3]}})  # "-Infinity"
+    assert RunConfig.from_dict(json.loads(old)) == run
+    toml = tmp_path / "run.toml"
+    toml.write_text('[data]\ndense_clip = [["-inf", 0], [1, "INF"]]\n')
+    both = ((-math.inf, 0.0), (1.0, math.inf))
+    assert RunConfig.from_toml(toml).data.dense_clip == both
+    over = RunConfig().with_overrides(['data.dense_clip=["-inf", "+inf"]'])
+    assert over.data.dense_clip == (-math.inf, math.inf)
+    assert DataConfig(dense_clip=[["-inf", 0], [1, "inf"]]).dense_clip == both
+    for bad in (["nan", 3], ["-inf", "-inf"], ["0", 1]):
+        with pytest.raises(ValueError, match=r"dense_clip must be \[lo, hi\]"):
+            DataConfig(dense_clip=bad)
+    t = DenseTransform(columns=("a",), kinds=("none",), mean=(0.0,), std=(1.0,), clip=both[:1])
+    saved = json.dumps(t.to_dict(), allow_nan=False)
+    assert DenseTransform.from_dict(json.loads(saved)) == t
+
+
 # --- the fitted object ----------------------------------------------------------------
 
 

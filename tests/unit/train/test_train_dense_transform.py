@@ -1,6 +1,7 @@
 """The fitted dense transform travels with the checkpoint: resume and evaluation reuse it."""
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -98,6 +99,74 @@ def test_resume_is_bitwise_and_the_checkpoint_holds_the_training_statistics(tmp_
     np.testing.assert_allclose(saved.std, raw.std(0), rtol=1e-12)
     assert saved.clip == ((-3.0, 3.0), (-3.0, 3.0))
     assert saved.columns == ("age", "year")
+
+
+def strict_json(text: str) -> object:
+    """``text`` parsed as strict JSON: ``NaN``/``Infinity`` refused, as JSON.parse does."""
+
+    def refuse(token: str) -> object:
+        raise ValueError(f"not JSON: {token}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_an_open_clip_bound_and_a_nan_metric_are_strict_json_and_resume_bitwise(
+    tmp_path,
+) -> None:
+    """Bug caught: ``dense_clip = [-inf, 3]`` was written as ``-Infinity`` in meta.json and
+    the --json summary, and a NaN metric (the AUC of one evaluation row) as ``NaN``:
+    neither is JSON, strict parsers refuse the files. The clip bound must still come back
+    as -inf (a bitwise resume, ``tetrarec eval`` giving the run's metrics) and a NaN
+    metric of the saved best evaluation as NaN; a checkpoint of the previous format
+    (bare ``-Infinity`` and ``NaN``) still evaluates and resumes bitwise."""
+    data = write_data(tmp_path / "d.parquet")
+    run = (
+        "data.dense_clip=[-inf, 3]",
+        f"data.eval_rows=[{TRAIN}, {TRAIN + 1}]",  # one label: AUC and NE are NaN
+        "train.eval_every=2",
+        "train.keep_best=log_loss",
+    )
+    summary = tmp_path / "a.json"
+    straight = train(config(data, tmp_path / "a", "train.steps=6", f"train.json={summary}", *run))
+    assert math.isnan(straight.final.auc)
+    written = strict_json(summary.read_text())
+    assert written["final"]["auc"] is None
+    assert written["best"]["ne"] is None
+    assert written["config"]["data"]["dense_clip"] == ["-inf", 3.0]
+    np.testing.assert_equal(
+        evaluate_checkpoint(straight.checkpoint).to_dict(), straight.final.to_dict()
+    )
+    a = read_checkpoint(latest_checkpoint(tmp_path / "a"))
+    assert DenseTransform.from_dict(a.meta["dense_transform"]).clip == ((-math.inf, 3.0),) * 2
+
+    def old_format(meta: dict) -> dict:
+        """``meta`` as the previous code wrote it: infinities as floats, NaN metrics."""
+        meta = json.loads(json.dumps(meta).replace('"-inf"', "-Infinity"))
+        metrics = meta["best"]["metrics"]
+        metrics.update({k: math.nan for k, v in metrics.items() if v is None})
+        return meta
+
+    for ckpt, rewrite in ((tmp_path / "b", None), (tmp_path / "c", old_format)):
+        first = train(config(data, ckpt, "train.steps=3", *run))
+        meta_path = Path(first.checkpoint) / "meta.json"
+        meta = strict_json(meta_path.read_text())
+        assert meta["dense_transform"]["clip"] == [["-inf", 3.0], ["-inf", 3.0]]
+        assert meta["best"]["metrics"]["auc"] is None
+        if rewrite is not None:
+            meta_path.write_text(json.dumps(rewrite(meta)))
+            assert "-Infinity" in meta_path.read_text()
+            assert "NaN" in meta_path.read_text()
+        np.testing.assert_equal(
+            evaluate_checkpoint(first.checkpoint).to_dict(), first.final.to_dict()
+        )
+        torch.manual_seed(1), np.random.seed(1), random.seed(1)
+        resumed = train(config(data, ckpt, "train.steps=6", *run), resume=True)
+        assert resumed.start_step == 3
+        b = read_checkpoint(latest_checkpoint(ckpt))
+        for name, tensor in a.tensors.items():
+            assert torch.equal(tensor, b.tensors[name]), (ckpt.name, name)
+        np.testing.assert_equal(resumed.to_dict()["best"], straight.to_dict()["best"])
+        np.testing.assert_equal(resumed.final.to_dict(), straight.final.to_dict())
 
 
 def test_resume_and_evaluation_use_the_saved_statistics_never_a_refit(tmp_path) -> None:
