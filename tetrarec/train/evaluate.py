@@ -109,7 +109,9 @@ def evaluate_checkpoint(
         path: a checkpoint directory (``<checkpoint_dir>/step_<n>``).
         data: input files (or a directory for ``binary``) of the run's ``data.source``
             to evaluate on, all rows unless ``data.eval_rows`` is set (by an override);
-            empty evaluates on the run's own evaluation split.
+            empty evaluates on the run's own evaluation split: when that is
+            ``data.eval_path``, only those files are read (the training files may be
+            gone); rows of ``data.train_path`` need that file.
         overrides: dotted config overrides of the run's config (for example
             ``"data.source=criteo"`` or ``"data.eval_rows=[0, 1000]"``); the dense
             transform is the checkpoint's whatever ``data.dense_*`` says.
@@ -127,23 +129,28 @@ def evaluate_checkpoint(
     config = config.with_overrides(list(overrides))
     tables = build_tables(config.model)
     saved = load_dense_transform(path)
-    if data:
-        load = LOADERS.get(DataSource(config.data.source))
-        if load is None:
-            valid = ", ".join(s.value for s in LOADERS)
-            raise ValueError(
-                f"evaluating on files needs a file source ({valid}); the run's data.source "
-                f"is {config.data.source!r}: set data.source"
-            )
-        # Only the given inputs are read (build_datasets would also load a train split).
-        base = load(tuple(data), config.data, tables)
-        log_bad_lines(base, data)  # data.on_bad_line = "skip" drops lines: say how many
+    load = LOADERS.get(DataSource(config.data.source))
+    if data and load is None:
+        valid = ", ".join(s.value for s in LOADERS)
+        raise ValueError(
+            f"evaluating on files needs a file source ({valid}); the run's data.source "
+            f"is {config.data.source!r}: set data.source"
+        )
+    # The files to evaluate: the given ones, else the run's data.eval_path. Only they are
+    # read: build_datasets would also parse every training file, which the dense
+    # transform saved in the checkpoint makes needless (a checkpoint too old to hold it
+    # has its transform fitted on the training rows again, as before).
+    own = config.data.eval_path if load is not None and saved is not None else ()
+    files = tuple(data) or own
+    if load is not None and files:
+        base = load(files, config.data, tables)
+        log_bad_lines(base, files)  # data.on_bad_line = "skip" drops lines: say how many
         rows = config.data.eval_rows
         raw = base if rows is None else RowRange(base, *rows)
         if saved is None:  # an older checkpoint: the source's default, no statistics
             saved = DenseTransform.without_statistics(dense_spec(config.data, raw.num_dense))
-        eval_ds: Dataset = TransformedDataset(raw, saved, where=", ".join(data))
-    else:
+        eval_ds: Dataset = TransformedDataset(raw, saved, where=", ".join(files))
+    else:  # rows of train_path (data.eval_rows or the held-out tail), or synthetic
         _, eval_ds = build_datasets(config.data, tables, dense=saved)
     device = config.train.resolve_device()
     parts = build_parts(config, num_dense=eval_ds.num_dense, device=device)

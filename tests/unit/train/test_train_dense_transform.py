@@ -186,6 +186,21 @@ def test_resume_and_evaluation_use_the_saved_statistics_never_a_refit(tmp_path) 
     assert resumed.final == result.final
 
 
+def test_evaluating_a_runs_eval_path_split_reads_only_eval_path(tmp_path) -> None:
+    """Bug caught: evaluating a checkpoint on its own split went through build_datasets,
+    which parses every training file even when the rows come from data.eval_path (the
+    dense statistics are the checkpoint's): slow for a big training set, and "input file
+    not found" once the training file was moved away. The metrics are the run's, with
+    data.eval_rows still selecting rows of eval_path, before and after the move."""
+    data = write_data(tmp_path / "d.parquet")
+    held = write_data(tmp_path / "held.parquet", seed=3, rows=100)
+    run = (f"data.eval_path={held}", "data.eval_rows=[10, 90]", "train.steps=3")
+    result = train(config(data, tmp_path / "ck", *run))
+    assert evaluate_checkpoint(result.checkpoint) == result.final
+    data.rename(tmp_path / "moved.parquet")
+    assert evaluate_checkpoint(result.checkpoint) == result.final
+
+
 def test_evaluate_checkpoint_on_other_data_applies_the_saved_statistics(tmp_path) -> None:
     """Bugs caught: evaluation data standardized with its own statistics (the other file
     has other means), or fed raw."""
