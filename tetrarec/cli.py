@@ -220,6 +220,8 @@ def _train(args: argparse.Namespace) -> int:
         print(best + (f"  checkpoint {result.best_checkpoint}" if result.best_checkpoint else ""))
     if result.stopped_early:
         print(f"stopped early at step {result.steps} (train.early_stop_patience)")
+    if result.bad_lines is not None and result.bad_lines.skipped:
+        print(f"input files: {result.bad_lines.summary()}")
     return 0
 
 

@@ -242,6 +242,50 @@ def test_eval_on_files_says_how_many_bad_lines_it_skipped(tmp_path, caplog) -> N
     assert f"{bad}: read 39 rows, skipped 1 bad lines (1 label is not 0 or 1)" in caplog.text
 
 
+def test_train_reports_the_skipped_lines_at_the_end_and_in_its_json(capsys, tmp_path) -> None:
+    """The README says skipped lines are "summarized at the end of the run", but they
+    were only logged while loading, and ``train --json`` had no bad-line field (the
+    bug). The summary counts the training and the eval_path files' lines (a one-input
+    split's once), printed and in the JSON in the shape ``preprocess --json`` uses."""
+    rows = [_criteo_line(i % 2, list(range(13)), list(range(26))) for i in range(40)]
+    train_file, eval_file = tmp_path / "train.tsv", tmp_path / "eval.tsv"
+    train_file.write_text("\n".join([*rows[:5], "2" + rows[5][1:], *rows[6:]]) + "\n")
+    eval_file.write_text("\n".join([*rows[:20], "x\t1", "7" + rows[0][1:]]) + "\n")
+    sets = [
+        *TINY,
+        "data.source=criteo",
+        f"data.train_path={train_file}",
+        "data.on_bad_line=skip",
+        "model.num_sparse=26",
+        "train.checkpoint_dir=none",
+    ]
+    out = tmp_path / "run.json"
+    args = ["-q", "train", "--config", str(SYNTHETIC), "--json", str(out)]
+    assert main([*args, *_sets(*sets, f"data.eval_path={eval_file}")]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    expected = (
+        "read 59 rows, skipped 3 bad lines (1 wrong number of fields, 2 label is not 0 or 1);"
+        f" first: {train_file}, line 6, field label: label is not 0 or 1"
+    )
+    assert printed.startswith(f"input files: {expected}")
+    bad = json.loads(out.read_text())["bad_lines"]
+    assert {k: bad[k] for k in ("rows_read", "skipped", "counts")} == {
+        "rows_read": 59,
+        "skipped": 3,
+        "counts": {"wrong number of fields": 1, "label is not 0 or 1": 2},
+    }
+    assert [e.split(": ")[0] for e in bad["examples"]] == [
+        f"{train_file}, line 6, field label",
+        f"{eval_file}, line 21, field fields",
+        f"{eval_file}, line 22, field label",
+    ]
+    assert main([*args, *_sets(*sets)]) == 0  # eval rows are the tail of train_path
+    assert "input files: read 39 rows, skipped 1 bad lines" in capsys.readouterr().out
+    assert json.loads(out.read_text())["bad_lines"]["skipped"] == 1
+    assert main([*args, *_sets(*TINY, "train.checkpoint_dir=none")]) == 0  # synthetic
+    assert json.loads(out.read_text())["bad_lines"] is None
+
+
 # -- tetrarec's own errors: one line on stderr, the documented exit status -----------------
 
 

@@ -16,7 +16,13 @@ Typical use::
 """
 
 from tetrarec.data.binary import BinaryColumns, PreprocessSummary, open_binary, preprocess_criteo
-from tetrarec.data.build import LOADERS, build_datasets, dense_spec, log_bad_lines
+from tetrarec.data.build import (
+    LOADERS,
+    build_datasets,
+    dense_spec,
+    input_bad_lines,
+    log_bad_lines,
+)
 from tetrarec.data.config import (
     BadLinePolicy,
     CsvConfig,
@@ -77,6 +83,7 @@ __all__ = [
     "dense_transform",
     "hash_ids",
     "hash_strings",
+    "input_bad_lines",
     "iter_criteo_blocks",
     "iter_csv_blocks",
     "iter_parquet_blocks",

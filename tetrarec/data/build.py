@@ -17,12 +17,20 @@ from tetrarec.data.criteo import DENSE_FIELDS, read_criteo
 from tetrarec.data.csv_source import CsvDataset
 from tetrarec.data.datasets import ColumnsDataset, Dataset, RowRange
 from tetrarec.data.dense import DenseSpec, DenseTransform, TransformedDataset
+from tetrarec.data.errors import BadLineSummary
 from tetrarec.data.multi_hot import ColumnMapping
 from tetrarec.data.parquet import ParquetDataset
 from tetrarec.data.synthetic import SyntheticDataset
 from tetrarec.embedding.config import TableConfig
 
-__all__ = ["LOADERS", "NATURAL_DENSE", "build_datasets", "dense_spec", "log_bad_lines"]
+__all__ = [
+    "LOADERS",
+    "NATURAL_DENSE",
+    "build_datasets",
+    "dense_spec",
+    "input_bad_lines",
+    "log_bad_lines",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +224,20 @@ def _raw_datasets(config: DataConfig, tables: Sequence[TableConfig]) -> tuple[Da
     eval_base = load(config.eval_path, config, tables)
     log_bad_lines(eval_base, config.eval_path)
     return _rows(base, config.train_rows), _rows(eval_base, config.eval_rows)
+
+
+def input_bad_lines(config: DataConfig, train: Dataset, held_out: Dataset) -> BadLineSummary | None:
+    """The lines skipped in the input files of ``build_datasets``'s ``(train, held_out)``.
+
+    The read of ``train_path``, plus that of ``eval_path`` when the evaluation split
+    has its own files (otherwise both splits are rows of one read, counted once);
+    ``None`` for a source that reads no lines (synthetic, parquet).
+    """
+    bad: BadLineSummary | None = getattr(train, "bad_lines", None)
+    held: BadLineSummary | None = getattr(held_out, "bad_lines", None)
+    if bad is None or held is None or not config.eval_path:
+        return bad
+    return bad.merge(held)
 
 
 def log_bad_lines(dataset: Dataset, paths: Sequence[str]) -> None:

@@ -49,7 +49,7 @@ from tetrarec import jsonio
 from tetrarec.cache import CacheStats
 from tetrarec.comm import LaunchInfo, destroy, is_joined, joined_backend
 from tetrarec.config import DeviceKind, RunConfig, TrainConfig
-from tetrarec.data import BatchLoader
+from tetrarec.data import BadLineSummary, BatchLoader, input_bad_lines
 from tetrarec.kernels import build_cpu_kernels
 from tetrarec.sparse import Batch
 from tetrarec.train.build import RunParts, build_parts, model_embeddings
@@ -114,6 +114,9 @@ class TrainResult:
             before the planned number of steps.
         cache: the cached tables' counters summed over this process's training steps
             (this rank's shards when sharded); ``None`` without a cached table.
+        bad_lines: the lines skipped (``data.on_bad_line = "skip"``) in the input files
+            read, train and eval (``input_bad_lines``); ``None`` for a source that reads
+            no lines (synthetic, parquet).
     """
 
     steps: int
@@ -127,6 +130,7 @@ class TrainResult:
     best_checkpoint: str | None = None
     stopped_early: bool = False
     cache: CacheStats | None = None
+    bad_lines: BadLineSummary | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values for the JSON summary."""
@@ -155,6 +159,7 @@ class TrainResult:
                 "capacity": self.cache.capacity,
                 "occupied": self.cache.occupied,
             },
+            "bad_lines": None if self.bad_lines is None else self.bad_lines.to_dict(),
         }
 
     def best_summary(self) -> str | None:
@@ -356,6 +361,7 @@ class _Run:
             logger.info("one process: the [sharding] section applies to torchrun launches")
         self.rank, self.world = (self.env.rank, self.env.world_size) if self.env else (0, 1)
         self.train_ds, self.eval_ds = run_datasets(config, self.env)
+        self.bad_lines = input_bad_lines(config.data, self.train_ds, self.eval_ds)
         counts = sample_counts(config, self.train_ds, self.env)  # static cache policy only
         if self.env is not None:
             self.parts: RunParts = sharded_parts(
@@ -559,6 +565,7 @@ class _Run:
             best_checkpoint=str(self.best_path) if self.best_path else None,
             stopped_early=self.stopped_early,
             cache=self._cache_since(self.cache_start, self._cache_total()),
+            bad_lines=self.bad_lines,
         )
         if self.rank == 0:
             _log_summary(result, self.total_steps, tc.early_stop_patience)
@@ -798,7 +805,7 @@ class _Run:
 
 
 def _log_summary(result: TrainResult, planned: int, patience: int) -> None:
-    """The end of the run in the log: final and best metrics, an early stop."""
+    """The end of the run in the log: final and best metrics, an early stop, bad lines."""
     if result.final is not None:
         logger.info("final at step %d: %s", result.steps, result.final.summary())
     best = result.best_summary()
@@ -818,6 +825,8 @@ def _log_summary(result: TrainResult, planned: int, patience: int) -> None:
             planned,
             patience,
         )
+    if result.bad_lines is not None and result.bad_lines.skipped:
+        logger.warning("input files: %s", result.bad_lines.summary())
 
 
 def _write_json(path: str, result: TrainResult, config: RunConfig) -> None:
