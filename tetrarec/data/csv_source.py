@@ -425,12 +425,12 @@ def _find_bad_lines(
     cr = np.flatnonzero(buf == ord("\r"))
     lone_cr = np.zeros(n, dtype=bool)
     lone_cr[np.searchsorted(ends, cr[buf[cr + 1] != ord("\n")], side="right")] = True
-    for i in np.flatnonzero(lone_cr):
+    for i in np.flatnonzero(lone_cr).tolist():
         line = block[starts[i] : ends[i] - 1]
         try:
             _parse_block(line, 1, plan)
         except _BlockInvalidError:
-            errors[int(i)] = _diagnose(line, first_line + int(i), plan)
+            errors[i] = _diagnose(line, first_line + i, plan)
         else:
             return None  # a good line ("\r" quoted): the split keeps it in its place
     lines = np.flatnonzero(~lone_cr)  # (m,) the lines of the pass
@@ -466,10 +466,10 @@ def _find_bad_lines(
             plan, first_line + i, BadLineReason.FIELD_COUNT, "fields", f"{expected}, got {count}"
         )
     rows = np.delete(lines, np.fromiter(wrong_count, dtype=np.int64))  # table row -> line
-    for i in rows[empty[rows]]:
-        errors[int(i)] = _bad_line(
+    for i in rows[empty[rows]].tolist():
+        errors[i] = _bad_line(
             plan,
-            first_line + int(i),
+            first_line + i,
             BadLineReason.FIELD_COUNT,
             "fields",
             f"{expected}, got an empty line",
@@ -505,7 +505,7 @@ def _flag_values(column: pa.Array, name: str, plan: _FilePlan) -> np.ndarray | N
         return np.ones(len(column), dtype=bool)
     if name == plan.mapping.label_column:
         ok = pc.is_in(text, value_set=pa.array(["0", "1"]))
-        return ~ok.to_numpy(zero_copy_only=False)
+        return np.asarray(~ok.to_numpy(zero_copy_only=False), dtype=bool)
     if name not in plan.mapping.dense_columns:
         return np.zeros(len(column), dtype=bool)
     number = pc.match_substring_regex(text, _NUMBER).to_numpy(zero_copy_only=False)
@@ -518,7 +518,7 @@ def _flag_values(column: pa.Array, name: str, plan: _FilePlan) -> np.ndarray | N
         return None
     with np.errstate(over="ignore"):
         finite = np.isfinite(values.astype(np.float32))
-    return ~((number & finite) | empty)
+    return np.asarray(~((number & finite) | empty), dtype=bool)
 
 
 def _select_lines(block: bytes, keep: np.ndarray) -> bytes:
@@ -526,7 +526,7 @@ def _select_lines(block: bytes, keep: np.ndarray) -> bytes:
     buf = np.frombuffer(block, dtype=np.uint8)
     ends = np.flatnonzero(buf == ord("\n")) + 1
     line_of_byte = np.repeat(np.arange(len(ends)), np.diff(ends, prepend=0))
-    return buf[keep[line_of_byte]].tobytes()
+    return bytes(buf[keep[line_of_byte]].tobytes())
 
 
 def _split_lines(
