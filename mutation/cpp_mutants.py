@@ -92,22 +92,22 @@ MUTANTS = [
     Mutant(
         "int_bias_from_max",
         TBE,
-        "uint16_t b = half_bits(lo);",
-        "uint16_t b = half_bits(lo + (hi - lo) / 64.0f);",
+        "const uint16_t b = half_bits_down(lo);",
+        "const uint16_t b = half_bits_down(lo + (hi - lo) / 64.0f);",
         "integer row bias is off by a fraction of a step",
     ),
     Mutant(
         "int_grid_bias_to_nearest",
         TBE,
-        "if (half_value(b) - lo > tol) {",
-        "if (half_value(b) - lo > 1e30f) {",
+        "const uint16_t b = half_bits_down(lo);",
+        "const uint16_t b = half_bits(lo);",
         "integer row bias rounded to nearest: the row's min can fall below the grid",
     ),
     Mutant(
         "int_grid_scale_to_nearest",
         TBE,
-        "if (hi - (bv + levels * half_value(s)) > tol)",
-        "if (hi - (bv + levels * half_value(s)) > 1e30f)",
+        "const uint16_t s = half_bits_up(",
+        "const uint16_t s = half_bits(",
         "integer row scale rounded to nearest: the row's max can fall above the grid",
     ),
     Mutant(

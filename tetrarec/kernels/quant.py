@@ -9,9 +9,9 @@ Float formats store a row as ``dim`` values of the precision's dtype. Integer fo
 
 and decode as ``x = q * scale + bias`` in FP32. Encoding recomputes a row's scale and
 bias from its min and max, so an updated row always spans its full integer range: the
-bias is the min rounded down to FP16 and the scale rounded up where needed, so that the
-grid covers the row's min and max (stochastic rounding stays unbiased there), and values
-saturate at FP16's +-65504.
+bias is the min rounded down to FP16 and the scale rounded up, so that the grid covers
+the row's min and max (stochastic rounding stays unbiased there), and values saturate at
+FP16's +-65504.
 
 Stochastic rounding rounds ``x`` to one of its two neighbours ``lo <= x <= hi`` with
 ``P(hi) = (x - lo) / (hi - lo)``, so that ``E[round(x)] = x`` (unbiased); repeated small
@@ -124,38 +124,46 @@ def stochastic_round(
     return out.to(torch.float16)  # exact: every finite value above is an FP16 value
 
 
-def _int_row_grid(
-    lo: torch.Tensor, hi: torch.Tensor, levels: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The FP16 scale and bias (as FP32 values) of integer rows spanning ``[lo, hi]``.
-
-    The bias is rounded down and the scale up where needed, so that the grid ``bias + q *
-    scale`` (``q = 0..levels``) covers the row. Rounded to nearest only, a row's min or
-    max could fall outside its grid and be clamped to the end code, and stochastic
-    rounding was biased there: a small update of the min or max, or of a row whose values
-    are all equal (scale 0, the value in the bias alone), was doubled or lost. A min or
-    max outside by at most ``2^-20`` of the row's largest magnitude is left to the clamp,
-    so that a last-bit difference of FP32 updates at a value on the grid does not move
-    the grid a whole FP16 step. ``lo`` and ``hi`` saturate at +-65504 as FP16 rows do.
-    The compiled kernel computes the same bits (``int_row_grid`` in ``csrc/tbe_cpu.cpp``).
-    """
-    lo = lo.clamp(-65504.0, 65504.0)
-    hi = hi.clamp(-65504.0, 65504.0)
-    tol = torch.maximum(lo.abs(), hi.abs()) * 2.0**-20
-    b16 = lo.half()
-    bits = b16.view(torch.int16).long() & 0xFFFF
+def _half_down(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded towards -inf to FP16, as FP32 (``x`` within FP16's range)."""
+    h = x.half()
+    bits = h.view(torch.int16).long() & 0xFFFF
     # one FP16 step towards -inf; from +-0, to the least negative value (0x8001)
     down = torch.where(
         (bits & 0x7FFF) == 0,
         torch.full_like(bits, 0x8001),
         torch.where((bits & 0x8000) != 0, bits + 1, bits - 1),
     )
-    bits = torch.where(b16.float() - lo > tol, down, bits)
-    bias = _as_dtype(bits, 16, torch.int16).view(torch.float16).float()
-    s16 = ((hi - bias) / levels).half()
-    sbits = s16.view(torch.int16).long() & 0xFFFF
-    sbits = torch.where(hi - (bias + levels * s16.float()) > tol, sbits + 1, sbits)
-    scale = _as_dtype(sbits, 16, torch.int16).view(torch.float16).float()
+    bits = torch.where(h.float() > x, down, bits)
+    return _as_dtype(bits, 16, torch.int16).view(torch.float16).float()
+
+
+def _half_up(x: torch.Tensor) -> torch.Tensor:
+    """``x >= 0`` rounded towards +inf to FP16, as FP32."""
+    h = x.half()
+    bits = h.view(torch.int16).long() & 0xFFFF
+    bits = torch.where(h.float() < x, bits + 1, bits)
+    return _as_dtype(bits, 16, torch.int16).view(torch.float16).float()
+
+
+def _int_row_grid(
+    lo: torch.Tensor, hi: torch.Tensor, levels: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP16 scale and bias (as FP32 values) of integer rows spanning ``[lo, hi]``.
+
+    The bias is ``lo`` rounded down and the scale ``(hi - bias) / levels`` rounded up, so
+    that the grid ``bias + q * scale`` (``q = 0..levels``) covers the row. Rounded to
+    nearest, a row's min or max could fall outside its grid and be clamped to the end
+    code, and stochastic rounding was biased there: a small update of the min or max, or
+    of a row whose values are all equal (scale 0, the value in the bias alone), was
+    doubled or lost. A row whose ends are FP16 values keeps them exactly. ``lo`` and
+    ``hi`` saturate at +-65504 as FP16 rows do. The compiled kernel computes the same
+    bits (``int_row_grid`` in ``csrc/tbe_cpu.cpp``).
+    """
+    lo = lo.clamp(-65504.0, 65504.0)
+    hi = hi.clamp(-65504.0, 65504.0)
+    bias = _half_down(lo)
+    scale = _half_up(((hi - bias) * float(1.0 / levels)).clamp(min=0.0))  # x FP32(1/levels)
     return scale, bias
 
 

@@ -104,9 +104,9 @@ inline void int_row_store(uint8_t* r, int64_t D, const float* src, bool sr, uint
   const float levels = static_cast<float>(Row::kLevels);
   float lo, hi;
   row_min_max(src, D, &lo, &hi);
-  uint16_t sb[2];
-  int_row_grid(lo, hi, levels, &sb[0], &sb[1]);
-  const float s = half_value(sb[0]), b = half_value(sb[1]);
+  const IntGrid grid = int_row_grid(lo, hi, levels);
+  const uint16_t sb[2] = {grid.scale_bits, grid.bias_bits};
+  const float s = grid.scale, b = grid.bias;
   const float inv = s > 0 ? 1.0f / s : 0.0f;
   thread_local std::vector<int32_t> codes;
   if (static_cast<int64_t>(codes.size()) < D + 8) codes.resize(D + 8);

@@ -93,32 +93,49 @@ inline uint16_t half_bits(float x) { return c10::Half(x).x; }
 inline float half_value(uint16_t b) { return static_cast<float>(c10::Half(b, c10::Half::from_bits())); }
 inline uint16_t bf16_bits(float x) { return c10::BFloat16(x).x; }
 
-// The FP16 scale and bias of an integer row whose values span [lo, hi]: the bias rounded
-// down and the scale up where needed, so that the grid bias + q * scale (q = 0..levels)
-// covers the whole row. Rounded to nearest only, a row's min or max could fall outside
-// its grid and be clamped to the end code, and stochastic rounding of the codes was then
-// biased there: a small update of the min or max, or of a row whose values are all equal
-// (scale 0, the value in the bias alone), was doubled or lost. A min or max outside the
-// grid by at most tol (2^-20 of the row's largest magnitude, 8 FP32 steps) is left to
-// the clamp: a bias of under 2^-12 of a step for a row as wide as it is far from 0, and
-// the grid does not move a whole FP16 step when the paths' FP32 updates differ in the
-// last bit at a value that sits on the grid (a row's decoded min and max do). lo and hi
-// saturate at +-65504 as FP16 rows do (past it the bias or scale would be inf and the
-// row NaN). Every operation below rounds once (levels * scale is exact in FP32: 8 by 11
-// significant bits), so quant.py's quantize_rows computes the same bits.
-inline void int_row_grid(float lo, float hi, float levels, uint16_t* scale, uint16_t* bias) {
+// FP16 bits of x rounded towards -inf / +inf (x within FP16's range). With F16C one
+// instruction (its rounding-mode immediate); without, round to nearest and step once.
+inline uint16_t half_bits_down(float x) {
+#if defined(__F16C__)
+  return _cvtss_sh(x, 1);  // 1: round down
+#else
+  uint16_t h = half_bits(x);
+  if (half_value(h) > x) h = (h & 0x7FFFu) == 0 ? uint16_t(0x8001u) : (h & 0x8000u) ? uint16_t(h + 1) : uint16_t(h - 1);
+  return h;
+#endif
+}
+inline uint16_t half_bits_up(float x) {  // x >= 0
+#if defined(__F16C__)
+  return _cvtss_sh(x, 2);  // 2: round up
+#else
+  uint16_t h = half_bits(x);
+  if (half_value(h) < x) h = uint16_t(h + 1);
+  return h;
+#endif
+}
+
+// The FP16 scale and bias of an integer row whose values span [lo, hi]: lo rounded down
+// and the step (hi - bias) / levels rounded up, so that the grid bias + q * scale
+// (q = 0..levels) covers the row. Rounded to nearest, a row's min or max could fall
+// outside its grid and be clamped to the end code, and stochastic rounding of the codes
+// was then biased there: a small update of the min or max, or of a row whose values are
+// all equal (scale 0, the value in the bias alone), was doubled or lost. A row whose
+// ends are FP16 values keeps them exactly. lo and hi saturate at +-65504 as FP16 rows do
+// (past it the bias or scale would be inf and the row NaN). Every operation rounds once
+// (the step multiplies by FP32(1 / levels)), so quant.py's quantize_rows computes the
+// same bits; no branch on the data: the row's values wait for this on every encode.
+struct IntGrid {
+  uint16_t scale_bits, bias_bits;
+  float scale, bias;
+};
+inline IntGrid int_row_grid(float lo, float hi, float levels) {
   lo = std::min(std::max(lo, -65504.0f), 65504.0f);
   hi = std::min(std::max(hi, -65504.0f), 65504.0f);
-  const float tol = std::max(std::fabs(lo), std::fabs(hi)) * 9.5367431640625e-07f;  // 2^-20
-  uint16_t b = half_bits(lo);
-  if (half_value(b) - lo > tol) {  // one FP16 step towards -inf (from +-0: 0x8001)
-    b = (b & 0x7FFFu) == 0 ? uint16_t(0x8001u) : (b & 0x8000u) ? uint16_t(b + 1) : uint16_t(b - 1);
-  }
+  const uint16_t b = half_bits_down(lo);
   const float bv = half_value(b);
-  uint16_t s = half_bits((hi - bv) / levels);
-  if (hi - (bv + levels * half_value(s)) > tol) s = uint16_t(s + 1);  // one step up (s >= +0)
-  *scale = s;
-  *bias = b;
+  const float step = static_cast<float>(1.0 / static_cast<double>(levels));
+  const uint16_t s = half_bits_up(std::max((hi - bv) * step, 0.0f));
+  return {s, b, half_value(s), bv};
 }
 
 // FP16 stochastic rounding from 16 random bits r, as the F16C path of F16::store computes
@@ -264,9 +281,9 @@ struct IntRow {
       lo = std::min(lo, src[d]);
       hi = std::max(hi, src[d]);
     }
-    uint16_t sb[2];
-    int_row_grid(lo, hi, static_cast<float>(kLevels), &sb[0], &sb[1]);
-    float s = half_value(sb[0]), b = half_value(sb[1]);
+    const IntGrid grid = int_row_grid(lo, hi, static_cast<float>(kLevels));
+    const uint16_t sb[2] = {grid.scale_bits, grid.bias_bits};
+    const float s = grid.scale, b = grid.bias;
     float inv = s > 0 ? 1.0f / s : 0.0f;
     std::memset(r, 0, width(D));
     const uint16_t* rnd = sr ? random16(key, D, col0) : nullptr;
