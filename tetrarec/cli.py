@@ -464,19 +464,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _check_json_path(path: str | None) -> None:
     """Refuse a ``--json`` path the command could only fail to write after its work.
 
-    Every command writes its JSON last (after training, evaluating or preprocessing),
-    so a directory, or a path under a file, is refused before anything runs.
+    Every command writes its JSON last (after training, evaluating or preprocessing).
 
     Raises:
         ValueError: naming the path.
     """
-    if not path:
-        return
-    if Path(path).is_dir():
-        raise ValueError(f"--json {path!r} is a directory; give a file path")
-    blocked = next((p for p in Path(path).parents if p.exists() and not p.is_dir()), None)
-    if blocked is not None:
-        raise ValueError(f"--json {path!r}: {str(blocked)!r} is a file, not a directory")
+    if path:
+        jsonio.check_output_path(path, f"--json {path!r}")
 
 
 class _Terminated(BaseException):

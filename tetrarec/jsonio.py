@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
-__all__ = ["dumps", "inf_text", "parse_inf"]
+__all__ = ["check_output_path", "dumps", "inf_text", "parse_inf"]
 
 _INF_TEXT = {"inf": math.inf, "+inf": math.inf, "-inf": -math.inf}
 
@@ -61,3 +62,19 @@ def _finite_or_null(value: Any) -> Any:
 def dumps(value: Any, *, indent: int | None = None, sort_keys: bool = False) -> str:
     """``value`` as strict JSON text: a NaN or infinite float is written as ``null``."""
     return json.dumps(_finite_or_null(value), indent=indent, sort_keys=sort_keys, allow_nan=False)
+
+
+def check_output_path(path: str, named: str) -> None:
+    """Refuse a path for a JSON file that is written after the work (a summary).
+
+    A directory, or a path under a file, could only fail once the work is done, so it
+    is refused before. ``named`` says how the user gave it (``"--json 'x'"``).
+
+    Raises:
+        ValueError: naming the path as ``named``.
+    """
+    if Path(path).is_dir():
+        raise ValueError(f"{named} is a directory; give a file path")
+    blocked = next((p for p in Path(path).parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ValueError(f"{named}: {str(blocked)!r} is a file, not a directory")

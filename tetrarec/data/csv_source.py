@@ -380,14 +380,14 @@ def _parse_lines(
         pass
     found = _find_bad_lines(block, first_line, plan)
     if found is None:
-        return _split_lines(block, first_line, plan, policy, tally)
+        return _split_lines(block, first_line, plan, policy, tally, read_first=False)
     keep, errors = found
     good: list[MultiHotColumns] = []
     if keep.any():
         try:  # nothing the pass missed: the other lines read clean, else split
             good = [_parse_block(_select_lines(block, keep)[:-1], int(keep.sum()), plan)]
         except _BlockInvalidError:
-            return _split_lines(block, first_line, plan, policy, tally)
+            return _split_lines(block, first_line, plan, policy, tally, read_first=False)
     if policy == BadLinePolicy.ERROR:
         raise errors[0]
     for error in errors:
@@ -530,20 +530,28 @@ def _select_lines(block: bytes, keep: np.ndarray) -> bytes:
 
 
 def _split_lines(
-    block: bytes, first_line: int, plan: _FilePlan, policy: BadLinePolicy, tally: BadLineTally
+    block: bytes,
+    first_line: int,
+    plan: _FilePlan,
+    policy: BadLinePolicy,
+    tally: BadLineTally,
+    *,
+    read_first: bool = True,
 ) -> list[MultiHotColumns]:
     """The good rows of ``block``, found by splitting it.
 
-    The block is read whole, else as ``_SPLIT`` runs of lines, each read the same way,
-    down to single lines, which are diagnosed and raised or counted per ``policy``.
-    Slow with many bad lines (each costs about ``_SPLIT * log(lines)`` reads):
-    ``_parse_lines`` uses it only where ``_find_bad_lines`` cannot tell.
+    The block is read whole (unless ``read_first`` is false: the caller's read of it
+    failed already), else as ``_SPLIT`` runs of lines, each read the same way, down to
+    single lines, which are diagnosed and raised or counted per ``policy``. Slow with
+    many bad lines (each costs about ``_SPLIT * log(lines)`` reads): ``_parse_lines``
+    uses it only where ``_find_bad_lines`` cannot tell.
     """
     n = block.count(b"\n")
-    try:
-        return [_parse_block(block[:-1], n, plan)]
-    except _BlockInvalidError:
-        pass
+    if read_first:
+        try:
+            return [_parse_block(block[:-1], n, plan)]
+        except _BlockInvalidError:
+            pass
     if n == 1:
         error = _diagnose(block[:-1], first_line, plan)
         if policy == BadLinePolicy.ERROR:

@@ -273,14 +273,7 @@ def _settings(values: dict[str, Any]) -> str:
 def _check_paths(config: RunConfig) -> None:
     """Refuse, by their keys, paths the run could only fail on after training."""
     if config.train.json:
-        path = Path(config.train.json)
-        if path.is_dir():
-            raise ValueError(f"train.json={config.train.json!r} is a directory; give a file path")
-        blocked = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
-        if blocked is not None:
-            raise ValueError(
-                f"train.json={config.train.json!r}: {str(blocked)!r} is a file, not a directory"
-            )
+        jsonio.check_output_path(config.train.json, f"train.json={config.train.json!r}")
     for key, where in (
         ("train.checkpoint_dir", config.train.checkpoint_dir),
         ("model.cache.dir", config.model.cache.dir),
