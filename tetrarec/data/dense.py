@@ -347,7 +347,8 @@ class DenseTransform:
             lo = np.array([c[0] for c in self.clip])  # (D,)
             hi = np.array([c[1] for c in self.clip])  # (D,)
             np.clip(y, lo, hi, out=y)
-        out: np.ndarray = y.astype(np.float32)
+        with np.errstate(over="ignore"):  # TransformedDataset warns once, by column
+            out: np.ndarray = y.astype(np.float32)
         return out
 
     def _apply_torch(self, x: torch.Tensor) -> torch.Tensor:
@@ -472,6 +473,7 @@ class TransformedDataset:
         self.num_dense = base.num_dense
         self.keys = base.keys
         self.bad_lines: BadLineSummary | None = getattr(base, "bad_lines", None)
+        self._warned_overflow = False
 
     def with_transform(self, transform: DenseTransform) -> TransformedDataset:
         """The same rows with ``transform`` instead (a checkpoint's saved statistics)."""
@@ -482,5 +484,30 @@ class TransformedDataset:
         batch = self.base.read(indices)
         if self._effective.is_identity:
             return batch
-        dense = torch.from_numpy(self._effective.apply(batch.dense.numpy()))
-        return Batch(dense, batch.sparse, batch.labels)
+        raw = batch.dense.numpy()
+        out = self._effective.apply(raw)
+        if not self._warned_overflow:
+            self._warn_overflow(raw, out, indices)
+        return Batch(torch.from_numpy(out), batch.sparse, batch.labels)
+
+    def _warn_overflow(self, raw: np.ndarray, out: np.ndarray, indices: np.ndarray) -> None:
+        """Warn once when a finite raw value becomes inf in float32.
+
+        Such a value lies millions of standard deviations out: the model's output will
+        overflow with it.
+        """
+        bad = ~np.isfinite(out) & np.isfinite(raw)
+        if not bad.any():
+            return
+        self._warned_overflow = True
+        row, col = np.argwhere(bad)[0]
+        logger.warning(
+            "dense column %s: the value %r of row %d of %s is %s after its transform (%s) in "
+            "float32; the model's output will not be finite (set data.dense_clip to bound it)",
+            self.transform.columns[col],
+            float(raw[row, col]),
+            int(np.asarray(indices).reshape(-1)[row]),
+            self.where,
+            out[row, col],
+            self.transform.kinds[col].value,
+        )

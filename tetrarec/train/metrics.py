@@ -7,13 +7,19 @@ binning), from logits ``z`` and labels ``y`` in {0, 1}:
   ties counted half (Mann-Whitney U from mid-ranks). Ranked by logit, so two logits
   that round to the same float32 probability still count as distinct.
 - ``log_loss``: mean of ``-[y log p + (1 - y) log(1 - p)]`` with ``p = sigmoid(z)``,
-  computed as ``log(1 + exp(z)) - y z`` so that saturated logits stay finite.
+  computed as ``log(1 + exp(-z))`` for a positive and ``log(1 + exp(z))`` for a
+  negative, so that saturated logits stay exact (an infinite logit on the right side
+  costs 0, on the wrong side ``inf``).
 - ``ne``: normalized entropy, ``log_loss / H(ctr)`` where ``ctr = mean(y)`` and
   ``H(c) = -[c log c + (1 - c) log(1 - c)]``.
 - ``calibration``: ``mean(p) / mean(y)``.
 - ``accuracy``: the fraction with ``(p >= 0.5) == y``, i.e. ``z >= 0``.
 
-Metrics that a one-class set leaves undefined (AUC, NE, calibration) are ``nan``.
+Metrics that a one-class set leaves undefined (AUC, NE, calibration) are ``nan``. A
+``nan`` logit (a model whose output overflowed) makes every metric but ``num_samples``
+and ``ctr`` ``nan``, with a warning: a ranking or a loss over undefined predictions
+means nothing (sorted naively, the ``nan`` rows would rank above every other and could
+score an AUC of 1).
 
 Calibration is well within ``CALIBRATION_BOUNDS`` = [0.8, 1.25] for a model whose
 average prediction is within 20-25% of the observed CTR (the bounds are symmetric in
@@ -29,6 +35,7 @@ earlier evaluation stays best), and ``nan`` never improves.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -47,6 +54,8 @@ __all__ = [
     "is_improvement",
     "miscalibration",
 ]
+
+logger = logging.getLogger(__name__)
 
 # Calibration outside [low, high] is reported as miscalibrated (see the module docstring).
 CALIBRATION_BOUNDS = (0.8, 1.25)
@@ -144,9 +153,22 @@ def compute_metrics(
     if not np.all((y == 0.0) | (y == 1.0)):
         bad = y[(y != 0.0) & (y != 1.0)][:5].tolist()
         raise ValueError(f"labels must be 0 or 1, got {bad}")
-    log_loss = float(np.mean(np.logaddexp(0.0, z) - y * z))
     ctr = float(y.mean())
     entropy = _binary_entropy(ctr)
+    undefined = np.isnan(z)
+    if undefined.any():
+        logger.warning(
+            "%d of %d logits are nan (the model's output overflowed): every metric is nan",
+            int(undefined.sum()),
+            z.size,
+        )
+        nan = math.nan
+        return Metrics(
+            auc=nan, ne=nan, log_loss=nan, calibration=nan, accuracy=nan,
+            num_samples=int(z.size), ctr=ctr,
+        )  # fmt: skip
+    # -log sigmoid(z) for a positive, -log sigmoid(-z) for a negative: exact at +-inf.
+    log_loss = float(np.mean(np.logaddexp(0.0, np.where(y == 1.0, -z, z))))
     mean_p = float(np.mean(0.5 * (1.0 + np.tanh(0.5 * z))))  # sigmoid, no overflow
     return Metrics(
         auc=_auc(z, y),

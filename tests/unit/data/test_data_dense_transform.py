@@ -393,3 +393,32 @@ def test_synthetic_default_is_the_identity() -> None:
     std, _ = build_datasets(DataConfig(synthetic=syn, dense_transform="standardize"), tables)
     x = raw.read(np.arange(64)).dense.numpy().astype(np.float64)
     np.testing.assert_allclose(std.transform.mean, x.mean(0), rtol=1e-12)
+
+
+def test_overflow_to_inf_after_the_transform_is_warned_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Bug caught: an evaluation value far outside the training rows' spread (3.4e38 where
+    the training std is 0.3) became inf in float32 after standardize without a word; the
+    model's logits went nan and the run's metrics with them."""
+    ds = ColumnsDataset(
+        labels=np.zeros(4, np.float32),
+        dense=np.array([[0.5, 1.0], [3.4e38, 2.0], [0.1, 3.0], [-3.4e38, 4.0]], np.float32),
+        sparse=np.zeros((4, 1), np.uint32),
+        tables=PQ_TABLES,
+    )
+    t = DenseTransform(
+        columns=("d1", "d2"), kinds=("standardize", "none"), mean=(0.5, 0.0), std=(0.3, 1.0)
+    )
+    data = TransformedDataset(ds, t, where="eval.csv")
+    with caplog.at_level(logging.WARNING):
+        data.read(np.array([0, 2]))
+        assert not caplog.records  # finite: no word
+        got = data.read(np.array([2, 3, 1])).dense
+        data.read(np.array([1]))
+    assert torch.isinf(got[1:, 0]).all()
+    assert len(caplog.records) == 1
+    msg = caplog.records[0].getMessage()
+    assert "dense column d1" in msg
+    assert "row 3 of eval.csv" in msg
+    assert "dense_clip" in msg

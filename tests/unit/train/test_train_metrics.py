@@ -269,3 +269,35 @@ def test_shapes_edge_values_and_bad_labels() -> None:
     assert logits.dtype == labels.dtype == torch.float64
     assert torch.equal(logits, z.double())
     assert torch.equal(labels, y.double())
+
+
+def test_nan_logits_make_every_metric_nan_and_never_the_best(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Bug caught: nan logits sorted last by the AUC's argsort, so nan rows that happened
+    to be positives ranked above every negative: an overflowed model scored AUC 1.0 and
+    keep_best = "auc" kept it as the run's best checkpoint."""
+    z = torch.tensor([math.nan, 0.3, math.nan, -0.2])
+    y = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    m = compute_metrics(z, y)
+    for name in ("auc", "ne", "log_loss", "calibration", "accuracy"):
+        assert math.isnan(getattr(m, name)), name
+    assert (m.num_samples, m.ctr) == (4, 0.5)
+    assert "2 of 4 logits are nan" in caplog.text
+    best = BestEval(metric=BestMetric.AUC).update(
+        10, compute_metrics(torch.tensor([0.1, 0.9, -0.5, 0.2]), y)
+    )
+    assert best.update(20, m).step == 10
+
+
+def test_infinite_logits_give_exact_log_loss() -> None:
+    """Bug caught: log(1 + exp(z)) - y z is inf - inf = nan for a logit of +inf on a
+    positive (a certain and right prediction, whose loss is 0)."""
+    y = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    right = compute_metrics(torch.tensor([math.inf, -math.inf, math.inf, -math.inf]), y)
+    assert (right.log_loss, right.auc, right.accuracy) == (0.0, 1.0, 1.0)
+    wrong = compute_metrics(torch.tensor([-math.inf, 0.0, 0.0, 0.0]), y)
+    assert wrong.log_loss == math.inf
+    big = torch.tensor([800.0, -800.0, 40.0, 3.0], dtype=torch.float64)
+    want = np.mean([0.0, 0.0, math.log1p(math.exp(-40.0)), math.log1p(math.exp(3.0))])
+    assert compute_metrics(big, y).log_loss == pytest.approx(want, rel=1e-12)
