@@ -49,6 +49,11 @@ def _load_criteo(
 def _load_binary(
     paths: tuple[str, ...], config: DataConfig, tables: Sequence[TableConfig]
 ) -> Dataset:
+    if len(paths) != 1:
+        raise ValueError(
+            f"source 'binary' reads one directory (one tetrarec preprocess output), got "
+            f"{len(paths)}: {', '.join(paths)}"
+        )
     cols = open_binary(paths[0])
     return ColumnsDataset(
         labels=cols.labels,

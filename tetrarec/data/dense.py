@@ -207,6 +207,34 @@ class DenseTransform:
         """Whether ``apply`` returns its input unchanged (no transform, no clip)."""
         return self.clip is None and all(k == DenseKind.NONE for k in self.kinds)
 
+    def check_columns(self, columns: Sequence[str], where: str) -> None:
+        """Check that data whose dense columns are ``columns`` fits this transform.
+
+        The transform is applied by position. The same names in another order (a
+        ``data.dense_columns`` reordered since the statistics were fitted) would apply
+        each column's statistics to another column: an error. Other names (a renamed
+        file, or columns that carry no names) are only warned about.
+
+        Raises:
+            ValueError: if ``columns`` are this transform's columns in another order.
+        """
+        columns = tuple(columns)
+        if columns == self.columns:
+            return
+        if sorted(columns) == sorted(self.columns):
+            raise ValueError(
+                f"{where} maps the dense columns in the order ({', '.join(columns)}), but the "
+                f"dense transform was fitted on ({', '.join(self.columns)}) in that order: "
+                "set data.dense_columns in the run's order"
+            )
+        logger.warning(
+            "%s has the dense columns (%s); the dense transform was fitted on (%s): applying "
+            "it by position",
+            where,
+            ", ".join(columns),
+            ", ".join(self.columns),
+        )
+
     # --- fitting ----------------------------------------------------------------------
 
     @classmethod

@@ -121,7 +121,8 @@ def evaluate_checkpoint(
 
     Raises:
         ValueError: on a bad override, a source that reads no files with ``data``, data
-            that does not fit the model, or ``train.device = "cuda"`` without CUDA.
+            that does not fit the model (its dense columns mapped in another order than
+            the run's among them), or ``train.device = "cuda"`` without CUDA.
     """
     config = checkpoint_config(path)
     if data:  # the run's row ranges were for its own inputs
@@ -149,6 +150,8 @@ def evaluate_checkpoint(
         raw = base if rows is None else RowRange(base, *rows)
         if saved is None:  # an older checkpoint: the source's default, no statistics
             saved = DenseTransform.without_statistics(dense_spec(config.data, raw.num_dense))
+        elif saved.num_dense == raw.num_dense:  # another count: TransformedDataset says so
+            saved.check_columns(dense_spec(config.data, raw.num_dense).columns, ", ".join(files))
         eval_ds: Dataset = TransformedDataset(raw, saved, where=", ".join(files))
     else:  # rows of train_path (data.eval_rows or the held-out tail), or synthetic
         _, eval_ds = build_datasets(config.data, tables, dense=saved)

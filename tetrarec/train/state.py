@@ -324,12 +324,14 @@ def restore_dense_transform(
     without a saved transform leaves the datasets as they are.
 
     Raises:
-        ValueError: if the saved transform does not fit the data's dense columns.
+        ValueError: if the saved transform does not fit the data's dense columns (their
+            number, or the same names in another order).
         DataError: if the data cannot give the saved transform (old binary format).
     """
     saved = load_dense_transform(path)
     if saved is None:
         return train, held_out
+    saved.check_columns(train.transform.columns, "the training data")
     if saved != train.transform:
         logger.warning(
             "the training data now gives other dense statistics than when %s was written; "

@@ -1,6 +1,7 @@
 """The fitted dense transform travels with the checkpoint: resume and evaluation reuse it."""
 
 import json
+import logging
 import math
 import random
 from pathlib import Path
@@ -8,16 +9,20 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import torch
 
 from tetrarec.config import RunConfig
 from tetrarec.data import (
+    DataConfig,
+    DataSource,
     DenseSpec,
     DenseTransform,
     ParquetDataset,
     TransformedDataset,
     build_datasets,
 )
+from tetrarec.data.build import LOADERS
 from tetrarec.train import (
     build_parts,
     build_tables,
@@ -243,3 +248,35 @@ def test_checkpoint_without_saved_statistics_evaluates_with_the_source_default(
     meta_path.write_text(json.dumps(meta))
     assert evaluate_checkpoint(result.checkpoint) == result.final
     assert evaluate_checkpoint(result.checkpoint, data=[str(data)]).num_samples == ROWS
+
+
+def test_dense_columns_reordered_since_the_fit_are_refused_renamed_ones_warned(
+    tmp_path, caplog
+) -> None:
+    """Bug caught: the saved statistics applied by position whatever the mapping says
+    now: evaluating (or resuming) with data.dense_columns = [year, age] standardized each
+    year with the ages' mean and std, silently (AUC of a broken model, NE 9e34)."""
+    data = write_data(tmp_path / "d.parquet")
+    result = train(config(data, tmp_path / "ck", "train.steps=3"))
+    swap = ["data.dense_columns=[year, age]"]
+    with pytest.raises(ValueError, match=r"order \(year, age\).*fitted on \(age, year\)"):
+        evaluate_checkpoint(result.checkpoint, data=[str(data)], overrides=swap)
+    with pytest.raises(ValueError, match=r"order \(year, age\)"):
+        train(config(data, tmp_path / "ck", "train.steps=6", *swap), resume=True)
+    # The same columns under other names (a renamed file): evaluated by position, warned.
+    renamed = tmp_path / "renamed.parquet"
+    pq.write_table(pq.read_table(data).rename_columns(["y", "a", "yr", "c0", "c1"]), renamed)
+    with caplog.at_level(logging.WARNING):
+        got = evaluate_checkpoint(
+            result.checkpoint, data=[str(renamed)], overrides=["data.dense_columns=[a, yr]"]
+        )
+    assert got == evaluate_checkpoint(result.checkpoint, data=[str(data)])
+    assert "fitted on (age, year): applying it by position" in caplog.text
+
+
+def test_a_binary_source_with_two_directories_is_refused(tmp_path) -> None:
+    """Bug caught: `tetrarec eval --data DIR1 DIR2` with source binary evaluated DIR1 only,
+    without a word (training already refused two directories)."""
+    cfg = DataConfig(source="binary", train_path=(str(tmp_path),))
+    with pytest.raises(ValueError, match=r"reads one directory.*got 2"):
+        LOADERS[DataSource.BINARY]((str(tmp_path / "a"), str(tmp_path / "b")), cfg, [])
