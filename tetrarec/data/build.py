@@ -128,8 +128,8 @@ def dense_spec(config: DataConfig, num_dense: int) -> DenseSpec:
     )
 
 
-def _rows(base: Dataset, rows: tuple[int, int] | None) -> Dataset:
-    return base if rows is None else RowRange(base, *rows)
+def _rows(base: Dataset, rows: tuple[int, int] | None, what: str) -> Dataset:
+    return base if rows is None else RowRange(base, *rows, what=what)
 
 
 def _split_one_input(base: Dataset, config: DataConfig) -> tuple[Dataset, Dataset]:
@@ -152,10 +152,13 @@ def _split_one_input(base: Dataset, config: DataConfig) -> tuple[Dataset, Datase
                 f"train_rows {train_rows} leave no rows of the {n} for evaluation; "
                 "set eval_rows or eval_path"
             )
+    train = _rows(base, train_rows, "data.train_rows")
+    # eval_rows not set: the rows after train_rows
+    held_out = _rows(base, eval_rows, "data.eval_rows" if config.eval_rows else "eval rows")
     tr = (0, n) if train_rows is None else train_rows
     if max(tr[0], eval_rows[0]) < min(tr[1], eval_rows[1]):
         logger.warning("train rows %s and eval rows %s overlap", tr, eval_rows)
-    return _rows(base, train_rows), _rows(base, eval_rows)
+    return train, held_out
 
 
 def build_datasets(
@@ -228,7 +231,9 @@ def _raw_datasets(config: DataConfig, tables: Sequence[TableConfig]) -> tuple[Da
         return _split_one_input(base, config)
     eval_base = load(config.eval_path, config, tables)
     log_bad_lines(eval_base, config.eval_path)
-    return _rows(base, config.train_rows), _rows(eval_base, config.eval_rows)
+    return _rows(base, config.train_rows, "data.train_rows"), _rows(
+        eval_base, config.eval_rows, "data.eval_rows"
+    )
 
 
 def input_bad_lines(config: DataConfig, train: Dataset, held_out: Dataset) -> BadLineSummary | None:

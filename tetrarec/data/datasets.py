@@ -168,14 +168,20 @@ class ColumnsDataset:
 class RowRange:
     """Rows ``[start, stop)`` of another dataset, renumbered from 0.
 
+    Args:
+        base: the dataset.
+        start: the first row.
+        stop: one past the last row.
+        what: names the range in the error (``data.eval_rows``).
+
     Raises:
         ValueError: if the range is empty or reaches past the dataset.
     """
 
-    def __init__(self, base: Dataset, start: int, stop: int) -> None:
+    def __init__(self, base: Dataset, start: int, stop: int, what: str = "row range") -> None:
         if not 0 <= start < stop <= base.num_samples:
             raise ValueError(
-                f"row range [{start}, {stop}) is not inside the {base.num_samples} rows of the data"
+                f"{what} [{start}, {stop}) is not inside the {base.num_samples} rows of the data"
             )
         self.base, self.start, self.stop = base, start, stop
         self.num_samples = stop - start

@@ -147,7 +147,7 @@ def evaluate_checkpoint(
         base = load(files, config.data, tables)
         log_bad_lines(base, files)  # data.on_bad_line = "skip" drops lines: say how many
         rows = config.data.eval_rows
-        raw = base if rows is None else RowRange(base, *rows)
+        raw = base if rows is None else RowRange(base, *rows, what="data.eval_rows")
         if saved is None:  # an older checkpoint: the source's default, no statistics
             saved = DenseTransform.without_statistics(dense_spec(config.data, raw.num_dense))
         elif saved.num_dense == raw.num_dense:  # another count: TransformedDataset says so

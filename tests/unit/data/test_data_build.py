@@ -100,9 +100,16 @@ def test_criteo_source_row_ranges_and_holdout(tmp_path, caplog):
         DataConfig(source="criteo", train_path=(str(f),), train_rows=(0, 30)), TABLES
     )
     assert held.num_samples == 20
-    with pytest.raises(ValueError, match="not inside the 50 rows"):
+    # Bug caught: "row range [40, 60) is not inside..." without saying which range, after
+    # a warning that the ranges overlap.
+    with pytest.raises(ValueError, match=r"data.eval_rows \[40, 60\) is not inside the 50 rows"):
         build_datasets(
             DataConfig(source="criteo", train_path=(str(f),), eval_rows=(40, 60)), TABLES
+        )
+    with pytest.raises(ValueError, match=r"data.train_rows \[0, 51\) is not inside the 50"):
+        build_datasets(
+            DataConfig(source="criteo", train_path=(str(f),), train_rows=(0, 51), eval_rows=(0, 5)),
+            TABLES,
         )
     with pytest.raises(ValueError, match="26 sparse features but the tables have 3"):
         build_datasets(DataConfig(source="criteo", train_path=(str(f),)), TABLES[:3])
