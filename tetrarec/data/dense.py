@@ -271,8 +271,9 @@ class DenseTransform:
         pass reads ``chunk_rows`` rows at a time (memory-mapped data stays on disk) in
         row order, accumulates in float64 and merges the chunks' means and squared
         deviations (Chan et al.), so the result depends only on the rows and
-        ``chunk_rows``: every rank of a sharded run computes the same numbers. A column
-        whose standard deviation is 0 gets 1 (it is only centred), with a warning.
+        ``chunk_rows``: every rank of a sharded run computes the same numbers. A constant
+        column (its minimum equals its maximum) gets its value as mean and 1 as standard
+        deviation (it is only centred, to exactly 0), with a warning.
 
         Args:
             dataset: the training rows.
@@ -301,12 +302,18 @@ class DenseTransform:
         cols = np.flatnonzero([k.standardizes for k in spec.kinds])
         logs = np.array([spec.kinds[c].takes_log for c in cols], dtype=bool)
         count, mean, m2 = 0, np.zeros(cols.size), np.zeros(cols.size)
+        # A constant column is told by its range, exactly: its float64 mean is rounded, so
+        # its squared deviations sum to ~1e-29, not 0, and a test of std > 0 would keep a
+        # std of ~1e-16 that blows any other value up to ~1e14.
+        lo, hi = np.full(cols.size, np.inf), np.full(cols.size, -np.inf)
         for start in range(0, dataset.num_samples, chunk_rows):
             stop = min(start + chunk_rows, dataset.num_samples)
             x = np.asarray(read_dense_rows(dataset, start, stop))[:, cols].astype(np.float64)
             _check_finite(x, start, [spec.columns[c] for c in cols])
             x[:, logs] = np.log1p(np.maximum(x[:, logs], 0.0))
             n = x.shape[0]
+            np.minimum(lo, x.min(axis=0), out=lo)
+            np.maximum(hi, x.max(axis=0), out=hi)
             chunk_mean = x.mean(axis=0)
             chunk_m2 = np.square(x - chunk_mean).sum(axis=0)
             delta = chunk_mean - mean
@@ -317,10 +324,10 @@ class DenseTransform:
         std = np.sqrt(m2 / count)
         means, stds = [0.0] * len(spec.columns), [1.0] * len(spec.columns)
         for j, c in enumerate(cols):
-            means[c] = float(mean[j])
-            if std[j] > 0:
-                stds[c] = float(std[j])
+            if lo[j] < hi[j]:
+                means[c], stds[c] = float(mean[j]), float(std[j])
             else:
+                means[c] = float(lo[j])  # the constant itself, not its rounded mean
                 logger.warning(
                     "dense column %s is constant (%g) over the %d training rows: its standard "
                     "deviation is 0, so it is only centred (std taken as 1)",

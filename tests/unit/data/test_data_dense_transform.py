@@ -228,6 +228,25 @@ def test_constant_column_is_only_centred_with_a_warning(tmp_path, caplog) -> Non
     assert dense_of(train)[:, 1].tolist() == [0.0, 0.0]
 
 
+@pytest.mark.parametrize("kind", ["log1p_standardize", "standardize"])
+@pytest.mark.parametrize("value", [7.0, 2.0, 0.1, 1960.0, 123456.789])
+def test_a_constant_whose_mean_rounds_is_still_constant(kind: str, value: float) -> None:
+    """Bug caught: a column tested constant by std > 0; log1p(7) over 800 rows has a float64
+    mean off by an ulp, so its std came out 4e-16 instead of 0: no warning, and an eval
+    value of 8 became 3e14 (log loss 1e12)."""
+    n = 2400  # rows in several chunks, merged as the fit merges them
+    ds = ColumnsDataset(
+        labels=np.zeros(n, np.float32),
+        dense=np.full((n, 1), value, np.float32),
+        sparse=np.zeros((n, 1), np.uint32),
+        tables=PQ_TABLES,
+    )
+    t = DenseTransform.fit(ds, DenseSpec(columns=("d",), kinds=(DenseKind(kind),)), chunk_rows=700)
+    assert t.std == (1.0,)
+    assert t.apply(np.array([[value]], np.float32)).tolist() == [[0.0]]
+    assert abs(t.apply(np.array([[value + 1.0]], np.float32))[0, 0]) <= 1.0 + value
+
+
 def test_non_finite_training_value_names_column_and_row(tmp_path) -> None:
     """The Parquet reader refuses a NaN first (naming the file); the fit's own check
     stands for rows that reach it another way (a binary file written elsewhere)."""
