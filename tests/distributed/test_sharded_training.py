@@ -123,6 +123,8 @@ def two_ranks(tmp_path_factory):
         Scenario("cached_first_half", (*TINY, *CACHED, "train.steps=3", ck("cresumed"))),
         Scenario("cached_second_half", (*TINY, *CACHED, ck("cresumed")), resume=True),
         Scenario("cached_bytes", (*TINY, *CACHED_BYTES, ck("cached_bytes"))),
+        Scenario("cached_table_wise", (*TINY, *CACHED[:4], "sharding.type=table_wise",
+                                       "train.log_every=2")),  # a collective in the log
         Scenario("cached_dp", (*TINY, *CACHED_DP, "train.checkpoint_every=3", ck("cached_dp"))),
         Scenario("cached_dp_first_half", (*TINY, *CACHED_DP, "train.steps=3", ck("dresumed"))),
         Scenario("cached_dp_second_half", (*TINY, *CACHED_DP, ck("dresumed")), resume=True),
@@ -318,6 +320,20 @@ def test_sharded_cached_tables_train_as_one_process_and_resume_bitwise(two_ranks
             assert any(".cache." in k for k in ta), f  # the cache contents are saved
         for k in ta:
             assert (ta[k] == tb[k]).all(), (f, k)
+
+
+def test_the_cache_counters_of_a_sharded_run_sum_every_ranks_shards(two_ranks):
+    """Bug caught: the summary's cache counters (and the logged hit rate) were rank 0's
+    shards only, and None when rank 0 held no cached table. Table-wise, each cached
+    table's cache decides on one rank as one process's does, so the sums are equal."""
+    results, _ = two_ranks
+    runs = results["cached_table_wise"]
+    assert all(r["ok"] for r in runs), runs
+    ref = one_process(*CACHED[:4], "sharding.type=table_wise")["cache"]
+    assert ref is not None
+    assert ref["hits"] > 0
+    for rank, res in enumerate(runs):
+        assert res["cache"] == ref, (rank, res["cache"], ref)
 
 
 def test_a_byte_budget_is_shared_by_the_tables_as_in_one_process(two_ranks):

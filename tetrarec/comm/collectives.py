@@ -46,6 +46,7 @@ import datetime
 import json
 import logging
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -143,12 +144,16 @@ class Communicator:
         self.stats.clear()
 
     def _wait(self, work: Any, label: str) -> None:
+        start = time.monotonic()
         try:
             work.wait(self.timeout)
         except RuntimeError as e:
+            waited, limit = time.monotonic() - start, self.timeout.total_seconds()
+            how = "timed out" if waited >= 0.9 * limit else "failed"
             raise CollectiveError(
-                f"rank {self.rank}/{self.world_size}: collective {label!r} failed or timed out "
-                f"after {self.timeout.total_seconds():.0f} s: {e}"
+                f"rank {self.rank}/{self.world_size}: collective {label!r} {how} after "
+                f"{waited:.1f} s of waiting (timeout {limit:.0f} s; another rank may have "
+                f"stopped with an error: see its log): {e}"
             ) from e
 
     def _note_once(self, key: str, message: str) -> None:

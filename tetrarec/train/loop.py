@@ -113,7 +113,7 @@ class TrainResult:
         stopped_early: the run stopped at ``steps`` by ``train.early_stop_patience``,
             before the planned number of steps.
         cache: the cached tables' counters summed over this process's training steps
-            (this rank's shards when sharded); ``None`` without a cached table.
+            (over every rank's shards when sharded); ``None`` without a cached table.
         bad_lines: the lines skipped (``data.on_bad_line = "skip"``) in the input files
             read, train and eval (``input_bad_lines``); ``None`` for a source that reads
             no lines (synthetic, parquet).
@@ -206,7 +206,16 @@ def _runtime(config: TrainConfig) -> Iterator[None]:
         torch.utils.deterministic.fill_uninitialized_memory = fill  # type: ignore[attr-defined]
 
 
-def _summary_writer(config: TrainConfig) -> Any:
+def _summary_writer_class(config: TrainConfig) -> Any:
+    """TensorBoard's ``SummaryWriter`` when ``train.tensorboard_dir`` is set, else ``None``.
+
+    Called by every rank before anything is built, so that a missing TensorBoard fails
+    all of them at once with this message (not rank 0 alone, after the others joined
+    the group and went on to wait in a collective).
+
+    Raises:
+        ValueError: if TensorBoard is not installed.
+    """
     if config.tensorboard_dir is None:
         return None
     try:
@@ -216,7 +225,7 @@ def _summary_writer(config: TrainConfig) -> Any:
             f"train.tensorboard_dir is set but TensorBoard is not installed ({e}); "
             "install it with `pip install tetrarec[tensorboard]` or unset the option"
         ) from e
-    return SummaryWriter(config.tensorboard_dir)
+    return SummaryWriter
 
 
 def train(
@@ -332,6 +341,7 @@ class _Run:
 
     def __init__(self, config: RunConfig, launch: LaunchInfo) -> None:
         self.config = config
+        writer = _summary_writer_class(config.train)  # every rank: fails them all alike
         # Every RNG starts from train.seed; a resume then restores the saved states.
         random.seed(config.train.seed)
         np.random.seed(config.train.seed)
@@ -390,9 +400,12 @@ class _Run:
         self.stopped_early = False
         self.cache_seen: CacheStats | None = None  # cache counters at the last log
         self.cache_start: CacheStats | None = None  # ... when this process started
+        self._cached_anywhere: bool | None = None  # any rank's cached tables (_cache_total)
         self.loader: BatchLoader | None = None
         self.owns_group = False  # set by train()
-        self.writer = _summary_writer(config.train) if self.rank == 0 else None  # last
+        self.writer = (  # last
+            writer(config.train.tensorboard_dir) if writer is not None and self.rank == 0 else None
+        )
 
     def _log_pinned(self, counts: dict[str, torch.Tensor]) -> None:
         """Each cached table's (shard's) pinned rows and the sample share they serve."""
@@ -607,25 +620,26 @@ class _Run:
             self.writer.add_scalar(
                 "train/lr_scale", lr_scale(self.step - 1, self.config.optim), self.step
             )
-        if tc.log_every and self.step % tc.log_every == 0 and self.rank == 0:
-            cache = self._cache_interval()
-            if cache is None:
-                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-                logger.info("step %d/%d loss %.5f", self.step, self.total_steps, loss)
-            else:
-                bar.set_postfix(loss=f"{loss:.4f}", hit=f"{cache.hit_rate:.3f}", refresh=False)
-                logger.info(
-                    "step %d/%d loss %.5f cache hit rate %.4f evictions %d write-backs %d",
-                    self.step,
-                    self.total_steps,
-                    loss,
-                    cache.hit_rate,
-                    cache.evictions,
-                    cache.write_backs,
-                )
-                if self.writer is not None:
-                    self.writer.add_scalar("cache/hit_rate", cache.hit_rate, self.step)
-                    self.writer.add_scalar("cache/evictions", cache.evictions, self.step)
+        if tc.log_every and self.step % tc.log_every == 0:
+            cache = self._cache_interval()  # every rank: summed over the ranks' caches
+            if self.rank == 0:
+                if cache is None:
+                    bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                    logger.info("step %d/%d loss %.5f", self.step, self.total_steps, loss)
+                else:
+                    bar.set_postfix(loss=f"{loss:.4f}", hit=f"{cache.hit_rate:.3f}", refresh=False)
+                    logger.info(
+                        "step %d/%d loss %.5f cache hit rate %.4f evictions %d write-backs %d",
+                        self.step,
+                        self.total_steps,
+                        loss,
+                        cache.hit_rate,
+                        cache.evictions,
+                        cache.write_backs,
+                    )
+                    if self.writer is not None:
+                        self.writer.add_scalar("cache/hit_rate", cache.hit_rate, self.step)
+                        self.writer.add_scalar("cache/evictions", cache.evictions, self.step)
         # The last step's evaluation and checkpoint are the run's final ones (run()).
         if self.step >= self.total_steps:
             return
@@ -664,10 +678,25 @@ class _Run:
     def _cache_total(self) -> CacheStats | None:
         """All cached tables' counters summed, or ``None`` without a cached table.
 
-        Sharded: this rank's cached shards (rank 0 logs them), ``None`` without any.
+        Sharded: summed over every rank's cached shards (a collective: every rank calls
+        it at the same steps), so that rank 0, which logs them, counts the shards it does
+        not hold; the first call finds out whether any rank has one, and later calls
+        skip the collective when none does.
         """
         tables = self._cache_stats()
-        return CacheStats.total(tables.values()) if tables else None
+        mine = CacheStats.total(tables.values()) if tables else None
+        if self.env is None or self.world == 1 or self._cached_anywhere is False:
+            return mine
+        fields = ("capacity", "occupied", "hits", "misses", "evictions", "write_backs")
+        local = [int(mine is not None), *(getattr(mine, f) if mine else 0 for f in fields)]
+        summed = self.env.comm.all_reduce(
+            torch.tensor(local, dtype=torch.int64, device=self.device), label="cache_stats"
+        ).wait()
+        values = [int(v) for v in summed.tolist()]
+        self._cached_anywhere = values[0] > 0
+        if not self._cached_anywhere:
+            return None
+        return CacheStats(table="*", **dict(zip(fields, values[1:])))
 
     def _cache_interval(self) -> CacheStats | None:
         """The cache counters since the last log (hit rate of this interval)."""

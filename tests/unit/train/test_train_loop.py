@@ -203,6 +203,19 @@ def test_tensorboard_without_the_package_is_a_clear_error(tmp_path) -> None:
         pytest.skip("tensorboard is installed here")
     with pytest.raises(ValueError, match="tensorboard_dir is set but TensorBoard is not installed"):
         train(tiny(tmp_path, "train.steps=1", f"train.tensorboard_dir={tmp_path}/tb"))
+    # Checked before anything is built (bug caught: checked by rank 0 alone, last, while
+    # the other ranks went on into a collective and failed there with a misleading
+    # timeout): data that does not exist is not reached.
+    with pytest.raises(ValueError, match="TensorBoard is not installed"):
+        train(
+            tiny(tmp_path, "train.steps=1", f"train.tensorboard_dir={tmp_path}/tb").with_overrides(
+                [
+                    "data.source=csv",
+                    f"data.train_path={tmp_path}/nope.csv",
+                    "data.sparse_columns=[a]",
+                ]
+            )
+        )
 
 
 def test_settings_that_cannot_work_fail_before_training(tmp_path) -> None:
