@@ -332,7 +332,16 @@ def restore_dense_transform(
     if saved is None:
         return train, held_out
     saved.check_columns(train.transform.columns, "the training data")
-    if saved != train.transform:
+    now = train.transform
+    if (saved.kinds, saved.clip) != (now.kinds, now.clip):
+        logger.warning(
+            "data.dense_transform or data.dense_clip differs from the run's in %s (%s, clip "
+            "%s); resuming with the saved transform",
+            path,
+            ", ".join(f"{c} {k.value}" for c, k in zip(saved.columns, saved.kinds)),
+            saved.clip,
+        )
+    elif saved != now:
         logger.warning(
             "the training data now gives other dense statistics than when %s was written; "
             "resuming with the saved ones",

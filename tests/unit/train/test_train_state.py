@@ -217,6 +217,21 @@ def test_saved_dense_transform_is_loaded_restored_and_a_change_is_logged(tmp_pat
     got = restore_dense_transform(path, plain, plain_held_out)
     assert [d.transform for d in got] == [train.transform, train.transform]
     assert [d.base for d in got] == [plain.base, plain_held_out.base]
+    # The config changed (bug caught: this was reported as the data having changed).
+    assert len(caplog.records) == 1
+    assert (
+        caplog.records[0]
+        .getMessage()
+        .startswith(
+            f"data.dense_transform or data.dense_clip differs from the run's in {path} (dense0 "
+            "standardize, "
+        )
+    )
+    caplog.clear()
+    now = train.transform
+    moved = train.with_transform(dataclasses.replace(now, mean=tuple(m + 1 for m in now.mean)))
+    got = restore_dense_transform(path, moved, held_out)
+    assert [d.transform for d in got] == [train.transform, train.transform]
     assert [r.getMessage() for r in caplog.records] == [
         f"the training data now gives other dense statistics than when {path} was written; "
         "resuming with the saved ones"
