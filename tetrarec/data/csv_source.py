@@ -201,6 +201,15 @@ def _header(line: bytes, path: Path, csv: CsvConfig) -> list[str]:
     ends a row there, so the names would be those of the part before it and the rest
     (every line of a file with classic-Mac ``"\r"`` line ends) would be read as rows.
     """
+    try:  # pyarrow would fail decoding the names (or a row for invalid_row) later
+        line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"cannot read the header line (byte {e.start + 1} is not UTF-8 text:"
+            f" {line[max(e.start - 10, 0) : e.start + 10]!r})",
+            path=path,
+            line=1,
+        ) from None
     extra_rows = 0  # rows after the first, which pyarrow ends at a lone "\r"
 
     def invalid_row(row: object) -> str:
@@ -214,7 +223,7 @@ def _header(line: bytes, path: Path, csv: CsvConfig) -> list[str]:
             read_options=pacsv.ReadOptions(use_threads=False),
             parse_options=_parse_options(csv.delimiter, invalid_row),
         )
-    except (pa.ArrowInvalid, UnicodeDecodeError) as e:
+    except pa.ArrowInvalid as e:
         raise DataError(f"cannot read the header line ({e})", path=path, line=1) from None
     if table.num_rows + extra_rows:
         raise DataError(
@@ -281,23 +290,82 @@ def _expected_fields(plan: _FilePlan) -> str:
     return f"expected {len(plan.names)} fields separated by {plan.csv.delimiter!r}"
 
 
+def _count_error(plan: _FilePlan, lineno: int, got: str) -> DataError:
+    """The error of a line with a wrong number of fields; ``got`` says what it has."""
+    return _bad_line(
+        plan, lineno, BadLineReason.FIELD_COUNT, "fields", f"{_expected_fields(plan)}, {got}"
+    )
+
+
+def _read_counting(
+    data: bytes, plan: _FilePlan, convert: pacsv.ConvertOptions
+) -> tuple[pa.Table, dict[int, int]]:
+    """``data`` through pyarrow, skipping the rows with a wrong number of fields.
+
+    Returns ``(table of the other rows, {row index in data: fields found})``; a row
+    pyarrow gives no number gets a negative index.
+
+    ``data`` must be UTF-8: pyarrow decodes a row to text before it calls the
+    invalid-row handler, and on bytes that are not UTF-8 it prints a traceback and
+    fails the read instead (see ``_as_utf8``).
+
+    Raises:
+        pa.ArrowInvalid: if pyarrow cannot read ``data`` otherwise.
+    """
+    wrong_count: dict[int, int] = {}
+
+    def invalid_row(row: object) -> str:
+        number = getattr(row, "number", None)
+        key = -1 - len(wrong_count) if number is None else int(number) - 1
+        wrong_count[key] = int(getattr(row, "actual_columns", -1))
+        return "skip"
+
+    return plan.read(data, convert, invalid_row), wrong_count
+
+
+def _as_utf8(data: bytes) -> bytes:
+    """``data`` with each invalid UTF-8 byte sequence replaced by U+FFFD.
+
+    The fields are unchanged: the replaced bytes are never ASCII (so never a delimiter,
+    quote or line end), and the ASCII bytes around them are kept.
+    """
+    return data.decode("utf-8", "replace").encode("utf-8")
+
+
+def _not_utf8_lines(block: bytes) -> np.ndarray:
+    """``(n,) bool``: the lines of ``block`` (each ending in a newline) not UTF-8 text.
+
+    Vectorized: decoded with ``surrogateescape``, each byte that is not UTF-8 is one
+    code point U+DC80..U+DCFF (which UTF-8 text never decodes to) and each newline
+    U+000A, so a line's index is the number of newlines before its bad code points.
+    """
+    try:
+        block.decode("utf-8")
+    except UnicodeDecodeError:
+        pass
+    else:
+        return np.zeros(block.count(b"\n"), dtype=bool)
+    text = block.decode("utf-8", "surrogateescape")
+    code = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+    newlines = np.flatnonzero(code == ord("\n"))
+    bad = np.zeros(len(newlines), dtype=bool)
+    bad[np.searchsorted(newlines, np.flatnonzero((code >= 0xDC80) & (code <= 0xDCFF)))] = True
+    return bad
+
+
 def _diagnose(line: bytes, lineno: int, plan: _FilePlan) -> DataError:
     """The ``DataError`` naming what is wrong with one line that failed to parse."""
 
     def bad(reason: BadLineReason, column: str, detail: str) -> DataError:
         return _bad_line(plan, lineno, reason, column, detail)
 
-    counts: list[int] = []  # the field counts of the rows pyarrow could not take
-
-    def invalid_row(row: object) -> str:
-        counts.append(int(getattr(row, "actual_columns", -1)))
-        return "skip"
-
     as_bytes = _convert_options(dict.fromkeys(plan.used, pa.binary()))
+    text = _as_utf8(line)  # the same fields, for pyarrow's invalid-row handler
     try:
-        table = plan.read(line, as_bytes, invalid_row)
+        table, wrong_count = _read_counting(text, plan, as_bytes)
     except pa.ArrowInvalid:
-        table = None
+        table, wrong_count = None, {}
+    counts = list(wrong_count.values())  # the field counts of the rows pyarrow could not take
     expected = _expected_fields(plan)
     if line in (b"", b"\r"):  # "\r" is the end of an empty line of a CRLF file
         return bad(BadLineReason.FIELD_COUNT, "fields", f"{expected}, got an empty line")
@@ -311,6 +379,8 @@ def _diagnose(line: bytes, lineno: int, plan: _FilePlan) -> DataError:
     if table is None or table.num_rows != 1:
         got = f"got {counts[0]}" if counts else "got an empty line"
         return bad(BadLineReason.FIELD_COUNT, "fields", f"{expected}, {got}")
+    if text != line:  # the values as they are (the fields are those just read)
+        table = plan.read(line, as_bytes)
     for name in plan.used:
         error = _value_error(table.column(name)[0].as_py(), name, line, lineno, plan)
         if error is not None:
@@ -409,7 +479,9 @@ def _find_bad_lines(
     label, dense); only values those checks flag are looked at one by one, with the
     checks ``_diagnose`` makes, so the errors are the ones it gives. A line with a lone
     ``"\r"`` (which ends a row in pyarrow) is diagnosed alone and left out of the
-    pass. ``None`` when pyarrow's rows are still not the lines (a byte-order mark, an
+    pass, and so is a line that is not UTF-8 with a wrong number of fields (counted
+    first, on a UTF-8 copy of such lines: pyarrow's handler cannot take its bytes).
+    ``None`` when pyarrow's rows are still not the lines (a byte-order mark, an
     empty last line) or a value defeats the vectorized checks: the caller then splits
     the block.
     """
@@ -433,47 +505,33 @@ def _find_bad_lines(
             errors[i] = _diagnose(line, first_line + i, plan)
         else:
             return None  # a good line ("\r" quoted): the split keeps it in its place
-    lines = np.flatnonzero(~lone_cr)  # (m,) the lines of the pass
+    # pyarrow cannot hand a line that is not UTF-8 to its invalid-row handler (it fails
+    # decoding it): such lines' fields are counted first, on a UTF-8 copy, and those
+    # with a wrong count are left out of the pass; the others are read in the pass.
+    out = lone_cr.copy()  # (n,) lines left out of the pass
+    not_utf8 = np.flatnonzero(_not_utf8_lines(block) & ~lone_cr)
+    if len(not_utf8):
+        counted = _read_lines(block, not_utf8, plan, utf8=True)
+        if counted is None:
+            return None
+        for i, count in counted[1].items():
+            errors[i], out[i] = _count_error(plan, first_line + i, f"got {count}"), True
+    lines = np.flatnonzero(~out)  # (m,) the lines of the pass
     if not len(lines):
         return np.zeros(n, dtype=bool), [errors[i] for i in sorted(errors)]
     widths = ends - starts - 1  # without the newline
     # An empty line ("\r" alone in a CRLF file too): pyarrow reads it as a row of empty
     # fields; for _diagnose it is a line without fields.
     empty = (widths == 0) | ((widths == 1) & (buf[starts] == ord("\r")))
-
-    wrong_count: dict[int, int] = {}  # index in the pass -> fields pyarrow found
-
-    def invalid_row(row: object) -> str:
-        number = getattr(row, "number", None)
-        if number is not None:
-            wrong_count[int(number) - 1] = int(getattr(row, "actual_columns", -1))
-        return "skip"
-
-    data = _select_lines(block, ~lone_cr)[:-1]
-    try:
-        table = plan.read(
-            data, _convert_options(dict.fromkeys(plan.used, pa.binary())), invalid_row
-        )
-    except pa.ArrowInvalid:
+    read = _read_lines(block, lines, plan)
+    if read is None:
         return None
-    m = len(lines)
-    if table.num_rows + len(wrong_count) != m or any(not 0 <= k < m for k in wrong_count):
-        return None
-    expected = _expected_fields(plan)
-    for k, count in wrong_count.items():
-        i = int(lines[k])
-        errors[i] = _bad_line(
-            plan, first_line + i, BadLineReason.FIELD_COUNT, "fields", f"{expected}, got {count}"
-        )
-    rows = np.delete(lines, np.fromiter(wrong_count, dtype=np.int64))  # table row -> line
+    table, wrong_count = read
+    for i, count in wrong_count.items():
+        errors[i] = _count_error(plan, first_line + i, f"got {count}")
+    rows = np.setdiff1d(lines, np.fromiter(wrong_count, dtype=np.int64))  # table row -> line
     for i in rows[empty[rows]].tolist():
-        errors[i] = _bad_line(
-            plan,
-            first_line + i,
-            BadLineReason.FIELD_COUNT,
-            "fields",
-            f"{expected}, got an empty line",
-        )
+        errors[i] = _count_error(plan, first_line + i, "got an empty line")
     pending = ~empty[rows]  # table rows with no error yet
     for name in plan.used:
         column = table.column(name).combine_chunks()
@@ -490,6 +548,30 @@ def _find_bad_lines(
     keep = np.ones(n, dtype=bool)
     keep[list(errors)] = False
     return keep, [errors[i] for i in sorted(errors)]
+
+
+def _read_lines(
+    block: bytes, lines: np.ndarray, plan: _FilePlan, *, utf8: bool = False
+) -> tuple[pa.Table, dict[int, int]] | None:
+    """The lines ``lines`` (ascending indices) of ``block``, mapped columns as bytes.
+
+    Returns ``(table of the lines with the right number of fields, {line index: fields
+    found} of the others)``; ``None`` when pyarrow cannot read the lines or its rows are
+    not the lines. ``utf8`` reads a UTF-8 copy (``_as_utf8``): for lines that are not
+    UTF-8, whose fields it counts right but whose values it changes.
+    """
+    keep = np.zeros(block.count(b"\n"), dtype=bool)
+    keep[lines] = True
+    data = _select_lines(block, keep)[:-1]
+    as_bytes = _convert_options(dict.fromkeys(plan.used, pa.binary()))
+    try:
+        table, wrong_count = _read_counting(_as_utf8(data) if utf8 else data, plan, as_bytes)
+    except pa.ArrowInvalid:
+        return None
+    m = len(lines)
+    if table.num_rows + len(wrong_count) != m or any(not 0 <= k < m for k in wrong_count):
+        return None
+    return table, {int(lines[k]): count for k, count in wrong_count.items()}
 
 
 def _flag_values(column: pa.Array, name: str, plan: _FilePlan) -> np.ndarray | None:

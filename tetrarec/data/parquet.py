@@ -37,7 +37,7 @@ from tetrarec.data.multi_hot import (
     MultiHotDataset,
     offsets_from_lengths,
 )
-from tetrarec.data.transforms import hash_strings
+from tetrarec.data.transforms import combine_chunks, hash_strings
 from tetrarec.embedding.config import TableConfig
 
 __all__ = ["ParquetDataset", "iter_parquet_blocks", "read_parquet"]
@@ -153,7 +153,7 @@ def _scalar_ids(arr: pa.Array) -> np.ndarray | None:
 
 def _bags(col: pa.ChunkedArray, path: Path, name: str) -> tuple[np.ndarray, np.ndarray, bool]:
     """``(raw ids (N_f,), offsets (rows+1,), is a list column)`` of a sparse column."""
-    arr = col.combine_chunks()
+    arr = combine_chunks(col)  # row groups' dictionaries may not fit one int8 index
     ids = _scalar_ids(arr)
     if ids is not None:
         return ids, np.arange(len(ids) + 1, dtype=np.int64), False

@@ -108,7 +108,7 @@ def hash_strings(values: pa.Array | pa.ChunkedArray | Sequence[str | bytes | Non
     """
     arr = values if isinstance(values, pa.Array | pa.ChunkedArray) else pa.array(values)
     if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
+        arr = combine_chunks(arr)
     if not pa.types.is_dictionary(arr.type):
         if not _is_text(arr.type):
             raise TypeError(f"hash_strings needs string or binary values, got {arr.type}")
@@ -116,10 +116,32 @@ def hash_strings(values: pa.Array | pa.ChunkedArray | Sequence[str | bytes | Non
     elif not _is_text(arr.type.value_type):
         raise TypeError(f"hash_strings needs string or binary values, got {arr.type}")
     distinct = _fnv1a64(arr.dictionary)  # (U,)
-    # Null indices (missing values) read the extra slot U, which holds 0.
-    indices = arr.indices.fill_null(len(distinct)).to_numpy(zero_copy_only=False)
+    # Null indices (missing values) read the extra slot U, which holds 0; U itself may
+    # not fit the index type (an int8 dictionary of 128 values), so widen first.
+    indices = arr.indices.cast(pa.int64()).fill_null(len(distinct))
+    indices = indices.to_numpy(zero_copy_only=False)
     out: np.ndarray = np.append(distinct, np.uint64(0))[indices].view(np.int64)
     return out
+
+
+def combine_chunks(col: pa.ChunkedArray) -> pa.Array:
+    """``col`` as one array; a dictionary column's indices widened to int64 first.
+
+    Each chunk of a dictionary column (each row group of a parquet file) holds its own
+    dictionary. Combining them unifies the dictionaries, and the union can outgrow the
+    chunks' index type (int8 holds 128 values), which ``ChunkedArray.combine_chunks``
+    refuses; int64 indices always fit. Other types are combined as they are.
+
+    Args:
+        col: any chunked array.
+
+    Returns:
+        The values of ``col`` in one array, of ``col``'s type except for the wider
+        dictionary indices.
+    """
+    if pa.types.is_dictionary(col.type):
+        col = col.cast(pa.dictionary(pa.int64(), col.type.value_type))
+    return col.combine_chunks()
 
 
 def _is_text(t: pa.DataType) -> bool:

@@ -6,6 +6,7 @@ FNV-1a 64 and fmix64 (see test_data_string_hash.py), not with the library's hash
 
 import gzip
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -222,6 +223,61 @@ def test_an_empty_line_is_a_field_count_error_with_any_line_end(tmp_path, newlin
     assert dict(bad.counts) == {"wrong number of fields": 1}
 
 
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_a_line_not_utf8_with_a_wrong_number_of_fields(tmp_path, monkeypatch, one_pass):
+    """Lines with bytes that are not UTF-8 and too few fields (lines 3 and 5) are wrong
+    numbers of fields, with the count; one with the right count (line 4) is a value
+    that is not UTF-8; nothing is printed. Both in the one-pass search and in the split
+    it falls back to. Bug caught: pyarrow decodes a row to text before it calls the
+    invalid-row handler, so it printed "Exception ignored in: <function
+    _find_bad_lines.<locals>.invalid_row ...>" and a UnicodeDecodeError traceback, and
+    the line was reported, and counted in skip mode, as "got an empty line"."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    if not one_pass:
+        monkeypatch.setattr(csv_source, "_find_bad_lines", lambda *args: None)
+    path = tmp_path / "bad.csv"
+    path.write_bytes(b"label,c,d\n1,a,1\n1\xff,1\n0,b\xfe,2\n0,\xe2\x82\n1,c,3\n")
+    mapping = ColumnMapping(label_column="label", dense_columns=("d",), sparse_columns=("c",))
+    with pytest.raises(DataError) as err:
+        read_csv([path], mapping)
+    assert str(err.value) == (
+        f"{path}, line 3, field fields: wrong number of fields "
+        "(expected 3 fields separated by ',', got 2)"
+    )
+    columns, bad = read_csv([path], mapping, on_bad_line="skip")
+    assert columns.labels.tolist() == [1.0, 1.0]
+    assert dict(bad.counts) == {"wrong number of fields": 2, "value is not UTF-8 text": 1}
+    where = [e.removeprefix(f"{path}, ").split(":")[0] for e in bad.examples]
+    assert where == ["line 3, field fields", "line 4, field c", "line 5, field fields"]
+    assert unraisable == []
+
+
+@pytest.mark.parametrize("policy", ["error", "skip"])
+@pytest.mark.parametrize(
+    "header",
+    [b"label,d,\xff\xfec", b"label,c\r1\xff"],  # the second: invalid_row gets the rest
+)
+def test_a_header_line_not_utf8_is_an_error_naming_file_and_line(
+    tmp_path, monkeypatch, policy, header
+):
+    """Bug caught: the header's names were decoded after the read, so the error was
+    "'utf-8' codec can't decode byte 0xff in position 0: invalid start byte" with no
+    file or line; a part after a lone "\\r" made pyarrow print a traceback from
+    ``_header.<locals>.invalid_row``."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    path = tmp_path / "h.csv"
+    path.write_bytes(header + b"\n1,a\n")
+    mapping = ColumnMapping(label_column="label", sparse_columns=("c",))
+    with pytest.raises(DataError) as err:
+        read_csv([path], mapping, on_bad_line=policy)
+    assert str(err.value).startswith(f"{path}, line 1: cannot read the header line (byte ")
+    assert "is not UTF-8 text" in str(err.value)
+    assert err.value.line == 1
+    assert unraisable == []
+
+
 @pytest.mark.parametrize("policy", ["error", "skip"])
 @pytest.mark.parametrize(
     "data", [b"label,c\r1,a\r0,b\r", b"label,c\rjunk,more\n1,a\n", b"label,c\r1,a,x\n1,a\n"]
@@ -345,12 +401,13 @@ def test_skip_finds_many_bad_lines_in_a_few_reads(tmp_path, monkeypatch):
     ds = dataset([path], on_bad_line="skip", csv=MULTI)
     assert ds.bad_lines.skipped == 60
     assert ds.num_samples == 1000
-    # the whole block, the pass over it, the good lines; and the reads of each line only
-    # pyarrow can judge: a dense value that is not a number (1), a lone "\r" (2)
+    # the whole block, the field count of the lines that are not UTF-8, the pass over
+    # it, the good lines; and the reads of each line only pyarrow can judge: a dense
+    # value that is not a number (1), a lone "\r" (2)
     kinds = [BAD[k % len(BAD)] for k in range(60)]
     one_by_one = sum(r == BadLineReason.DENSE_NOT_NUMBER for _, r, _ in kinds)
     one_by_one += 2 * sum("\r" in line for line, _, _ in kinds)
-    assert len(reads) <= 3 + one_by_one < 60  # splitting: 604
+    assert len(reads) <= 4 + one_by_one < 60  # splitting: 604
 
 
 @pytest.mark.parametrize("policy", ["error", "skip"])

@@ -317,6 +317,33 @@ def test_every_text_type_is_hashed_as_its_bytes(tmp_path, kind):
     assert cols.multi_hot == (False,)
 
 
+def test_row_groups_with_different_int8_dictionaries_read_as_the_plain_strings(tmp_path):
+    """Two row groups, each with its own int8 dictionary of 100 strings (200 distinct in
+    all) and a null: the ids are those of a plain-string copy, read whole (train) or by
+    block (preprocess). Bug caught: training failed with "These dictionaries cannot be
+    combined. The unified dictionary requires a larger index type." (no file, no
+    column), while ``tetrarec preprocess parquet`` read the file."""
+
+    def group(lo):
+        c = pa.DictionaryArray.from_arrays(
+            pa.array([i % 100 for i in range(150)] + [None], pa.int8()),
+            pa.array([f"v{i}" for i in range(lo, lo + 100)]),
+        )
+        return pa.table({"y": [i % 2 for i in range(151)], "c": c})
+
+    coded = pa.concat_tables([group(0), group(100)])
+    p = tmp_path / "coded.parquet"
+    pq.write_table(coded, p, row_group_size=151)
+    assert pq.ParquetFile(p).num_row_groups == 2
+    assert pq.read_table(p).column("c").type == pa.dictionary(pa.int8(), pa.string())
+    plain = coded.column("c").to_pylist()
+    want = hash_strings(pa.array(plain, pa.string())).tolist()
+    assert len(set(want)) == 201  # 200 values and null
+    cols = mapping(dense=(), sparse=("c",))
+    assert read_parquet([p], cols).ids[0].tolist() == want
+    assert [v for b in iter_parquet_blocks(p, cols) for v in b.ids[0].tolist()] == want
+
+
 def test_list_of_strings_and_the_wrong_item_type(tmp_path):
     """A list of strings is a bag of hashed strings; a list of floats is refused by name."""
     p = write(

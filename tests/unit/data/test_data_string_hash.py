@@ -100,6 +100,37 @@ def test_every_arrow_string_type_hashes_the_same():
     assert as_uint64(hash_strings(pa.array(["zz", *values])[1:])) == expected
 
 
+def int8_dictionary(values: list[str], indices: list[int | None]) -> pa.DictionaryArray:
+    return pa.DictionaryArray.from_arrays(pa.array(indices, pa.int8()), pa.array(values))
+
+
+def test_chunks_with_different_small_dictionaries_hash_like_plain_strings():
+    """Chunks (parquet row groups) each with its own int8 dictionary, 200 distinct
+    values in all, with nulls. Bug caught: combining the chunks unified the
+    dictionaries into one int8 index and failed with "These dictionaries cannot be
+    combined. The unified dictionary requires a larger index type."."""
+    indices = [i % 100 for i in range(150)] + [None]
+    chunks = [int8_dictionary([f"v{i}" for i in range(lo, lo + 100)], indices) for lo in (0, 100)]
+    plain = [v for c in chunks for v in c.to_pylist()]
+    expected = [0 if v is None else fnv1a64(v.encode()) for v in plain]
+    assert as_uint64(hash_strings(pa.chunked_array(chunks))) == expected
+    assert as_uint64(hash_strings(pa.array(plain))) == expected
+
+
+def test_a_dictionary_that_fills_its_index_type_and_a_null():
+    """An int8 dictionary of 128 values (indices 0..127) and a null. Bug caught: the
+    null was filled with the index 128, which int8 cannot hold ("Value 128 too large to
+    fit in C integer type")."""
+    values = [f"x{i}" for i in range(128)]
+    arr = int8_dictionary(values, [*range(128), None])
+    expected = [*(fnv1a64(v.encode()) for v in values), 0]
+    assert as_uint64(hash_strings(arr)) == expected
+    unsigned = pa.DictionaryArray.from_arrays(
+        pa.array([*range(256), None], pa.uint8()), pa.array([f"x{i}" for i in range(256)])
+    )
+    assert as_uint64(hash_strings(unsigned))[-2:] == [fnv1a64(b"x255"), 0]
+
+
 def test_text_and_integer_ids_differ():
     """The documented rule: a string column hashes its bytes, an integer column its
     value, so "123" is not 123."""
