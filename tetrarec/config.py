@@ -305,9 +305,9 @@ class OptimConfig:
         bad = {
             k: getattr(self, k)
             for k in ("dense_lr", "dense_weight_decay", "warmup_steps", "decay_start")
-            if getattr(self, k) < 0
+            if not 0 <= getattr(self, k) < math.inf  # nan and inf too
         }
-        if self.dense_eps <= 0:
+        if not 0 < self.dense_eps < math.inf:
             bad["dense_eps"] = self.dense_eps
         if self.decay is not DecayKind.NONE and self.decay_steps <= 0:
             bad["decay_steps"] = self.decay_steps
@@ -315,7 +315,7 @@ class OptimConfig:
             bad["min_lr_scale"] = self.min_lr_scale
         if bad:
             rules = {
-                "dense_eps": "dense_eps > 0",
+                "dense_eps": "dense_eps > 0 and finite",
                 "decay_steps": f"decay = {self.decay.value} needs decay_steps > 0",
                 "min_lr_scale": "min_lr_scale in [0, 1]",
             }
@@ -344,6 +344,10 @@ class BestMetric(enum.Enum):
     def higher_is_better(self) -> bool:
         """Whether a larger value of the metric is an improvement."""
         return self is BestMetric.AUC
+
+
+# More intra-op threads than any machine has cores; beyond it torch fails to start them.
+MAX_THREADS = 4096
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -383,7 +387,8 @@ class TrainConfig:
             with NCCL on CUDA and gloo on the CPU. Checkpoints hold CPU tensors either
             way, so a run trained on one device resumes or evaluates on another.
         deterministic: run under ``torch.use_deterministic_algorithms(True)``.
-        threads: torch intra-op threads (0: leave torch's default).
+        threads: torch intra-op threads (0: leave torch's default; at most
+            ``MAX_THREADS``).
         log_every: log the loss every this many steps.
         json: write the run summary to this path.
         tensorboard_dir: write TensorBoard scalars here (needs ``tensorboard``).
@@ -415,6 +420,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         counts = ("eval_every", "checkpoint_every", "threads", "log_every", "early_stop_patience")
         bad = {k: getattr(self, k) for k in counts if getattr(self, k) < 0}
+        if self.threads > MAX_THREADS:
+            bad["threads"] = self.threads
         if self.steps is not None and self.steps < 0:
             bad["steps"] = self.steps
         if self.epochs is not None and not (self.epochs > 0 and math.isfinite(self.epochs)):
@@ -426,7 +433,7 @@ class TrainConfig:
         if bad:
             raise ValueError(
                 f"bad train settings {bad} (counts >= 0, epochs > 0, keep_checkpoints >= 1, "
-                "0 <= seed < 2**32)"
+                f"0 <= seed < 2**32, threads <= {MAX_THREADS})"
             )
         if self.steps is not None and self.epochs is not None:
             raise ValueError(
@@ -552,7 +559,9 @@ class ShardingConfig:
     def __post_init__(self) -> None:
         if self.type is not None and self.plan is not None:
             raise ValueError("set sharding.type or sharding.plan, not both")
-        if (self.column_block is not None and self.column_block <= 0) or self.timeout_s <= 0:
+        if (self.column_block is not None and self.column_block <= 0) or not (
+            0 < self.timeout_s < math.inf
+        ):
             raise ValueError(
                 f"bad sharding settings: column_block={self.column_block}, "
                 f"timeout_s={self.timeout_s}"

@@ -273,6 +273,17 @@ def test_train_steps_or_epochs() -> None:
             r"bad sparse optimizer settings \{'betas': \(1\.5, 0\.999\)\}",
         ),
         (["optim.sparse.lr=inf"], r"bad sparse optimizer settings \{'lr': inf\}"),
+        # nan passed the "< 0" checks and inf was no error: a run failed later on a
+        # non-finite loss, or in torch's "Invalid learning rate: nan" naming no key
+        (["optim.dense_lr=inf"], r"bad optim settings \{'dense_lr': inf\}"),
+        (["optim.dense_lr=nan"], r"bad optim settings \{'dense_lr': nan\}"),
+        (["optim.dense_eps=nan"], r"\{'dense_eps': nan\} \(dense_eps > 0 and finite\)$"),
+        (["optim.dense_weight_decay=inf"], r"\{'dense_weight_decay': inf\}"),
+        (["sharding.timeout_s=nan"], r"timeout_s=nan"),
+        (["sharding.timeout_s=inf"], r"timeout_s=inf"),
+        (["model.dlrm.first_order_lr=nan"], r"first_order_lr and .* finite, got nan"),
+        # torch failed to start the threads (a segmentation fault) or overflowed
+        (["train.threads=100000"], r"bad train settings \{'threads': 100000\}"),
         # a Precision member the row kernels refuse: refused here, naming the key
         (["model.precision=fp8"], r"model\.precision 'fp8' is not a row precision; valid: fp32,"),
     ],

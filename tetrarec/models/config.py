@@ -7,6 +7,7 @@ embedding module it is given (one source of truth per concept).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tetrarec.models.precision import BF16Matmul
@@ -127,9 +128,11 @@ class DLRMConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        if self.first_order_lr < 0 or self.first_order_weight_decay < 0:
+        if not (
+            0 <= self.first_order_lr < math.inf and 0 <= self.first_order_weight_decay < math.inf
+        ):
             raise ValueError(
-                f"first_order_lr and first_order_weight_decay must be >= 0, got "
+                f"first_order_lr and first_order_weight_decay must be >= 0 and finite, got "
                 f"{self.first_order_lr} and {self.first_order_weight_decay}"
             )
         if self.dense_precision not in _DENSE_PRECISIONS:
