@@ -125,7 +125,12 @@ def open_input(path: Path) -> tuple[io.BufferedIOBase, BinaryIO]:
     if not path.exists():
         raise DataFileNotFoundError(path)
     if path.is_dir():
-        raise DataError("expected a file, got a directory", path=path)
+        hint = (
+            ' (a `tetrarec preprocess criteo` output: read it with data.source = "binary")'
+            if (path / "meta.json").is_file()
+            else ""
+        )
+        raise DataError(f"expected a file, got a directory{hint}", path=path)
     if not path.is_file():
         raise DataError(
             "expected a regular file, got a pipe, socket or device (the reader seeks in "

@@ -301,6 +301,14 @@ def test_error_messages_name_the_path_and_say_what_is_wrong(tmp_path):
         read_criteo([tmp_path])
     assert info.value.path == str(tmp_path)
     assert str(info.value).endswith(": expected a file, got a directory")
+    (tmp_path / "meta.json").write_text("{}")  # what preprocess writes: say how to read it
+    with pytest.raises(
+        DataError,
+        match=r"got a directory \(a `tetrarec preprocess criteo` "
+        r'output: read it with data.source = "binary"\)',
+    ):
+        read_criteo([tmp_path])
+    (tmp_path / "meta.json").unlink()
     (tmp_path / "a.gz").write_bytes(b"0\t1\n")
     with pytest.raises(DataError) as info:
         read_criteo([tmp_path / "a.gz"])
