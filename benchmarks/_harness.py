@@ -6,14 +6,17 @@ times on these shared machines vary by +-15% between processes.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import os
 import platform
 import resource
+import signal
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,6 +142,55 @@ def environment() -> dict[str, Any]:
     }
 
 
+def json_path(text: str) -> str:
+    """An argparse ``type`` for ``--json``: refuse a path that could only fail at the end.
+
+    Every benchmark writes its JSON after all its work, so a directory, or a path under
+    a file, is a usage error before anything runs (``tetrarec.jsonio.check_output_path``),
+    however the script is started (``tetrarec bench NAME`` or ``python bench_NAME.py``).
+    """
+    try:
+        jsonio.check_output_path(text, repr(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that a benchmark unwinds as for Ctrl-C."""
+
+
+@contextlib.contextmanager
+def unwind_on_signals(name: str) -> Iterator[None]:
+    """Stop on the first SIGINT or SIGTERM by unwinding, so ``finally`` blocks and
+    ``with TemporaryDirectory`` delete the benchmark's scratch; exit 143 on SIGTERM.
+
+    Python dies at once on SIGTERM (what ``tetrarec bench`` forwards when it is
+    terminated, and what schedulers send), leaving the scratch behind. Once the first
+    signal has arrived, later SIGINTs and SIGTERMs are ignored: a second one (Ctrl-C
+    reaches the whole process group, and ``tetrarec bench`` may forward one more)
+    would otherwise cut the cleanup short. Main thread only.
+
+    Args:
+        name: what the one-line message on SIGTERM calls the benchmark.
+    """
+
+    def unwind(signum: int, frame: Any) -> None:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
+
+    before = {s: signal.signal(s, unwind) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    except Terminated:
+        print(f"{name}: terminated (SIGTERM)", file=sys.stderr)
+        raise SystemExit(143) from None
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
 def write_json(
     path: str | None,
     config: dict[str, Any],
@@ -175,15 +227,22 @@ def describe_run(kernels: dict[str, Any] | None = None) -> str:
     return line
 
 
-def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    """Print ``rows`` as an aligned text table."""
+def print_table(
+    rows: list[dict[str, Any]], columns: list[str], digits: Mapping[str, int] | None = None
+) -> None:
+    """Print ``rows`` as an aligned text table.
 
-    def fmt(v: Any) -> str:
+    Floats get 3 decimals (none from 100 on), or ``digits[column]`` where given.
+    """
+
+    def fmt(v: Any, column: str) -> str:
         if isinstance(v, float):
+            if digits and column in digits:
+                return f"{v:,.{digits[column]}f}"
             return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.0f}"
         return str(v)
 
-    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    cells = [[fmt(r.get(c, ""), c) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
     for row in cells:

@@ -69,7 +69,7 @@ from typing import Any
 import numpy as np
 import torch
 from _cache_big import big, big_child, zipf_ids
-from _harness import describe_run, kernel_summary, print_table, write_json
+from _harness import describe_run, json_path, kernel_summary, print_table, write_json
 from _memory_limit import METHODS
 
 from tetrarec.cache import CachedEmbeddingBagCollection, CacheMemory, CacheSpec, CacheStats
@@ -145,7 +145,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--big", action="store_true", help="only the table beyond its RAM budget")
     p.add_argument("--speed", action="store_true", help="only the speed on workload W")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one seed, every part")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", type=json_path, metavar="PATH")
     p.add_argument("--plot", metavar="PNG", help="default: the --json path with .png")
     p.add_argument("--threads", type=int, default=1, help="torch threads of every part")
     g = p.add_argument_group("trade-off")

@@ -56,6 +56,7 @@ sys.path.insert(1, str(_HERE.parent))  # run from a checkout without installing
 from _harness import (  # noqa: E402
     describe_run,
     git_sha,
+    json_path,
     kernel_summary,
     measure,
     print_table,
@@ -636,7 +637,7 @@ def _progress(stage: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=None, help="write the topology TOML here")
-    ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument("--json", type=json_path, default=None, help="write results here")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (smoke test)")
     ap.add_argument("--gather-gib", type=float, default=1.0, help="gathered table size, GiB")
     ap.add_argument("--a2a-mib", type=float, default=4.0, help="MiB per peer (bandwidth)")

@@ -38,6 +38,7 @@ sys.path.insert(0, str(_HERE))
 sys.path.insert(1, str(_HERE.parent))  # run from a checkout without installing
 from _harness import (  # noqa: E402
     describe_run,
+    json_path,
     kernel_summary,
     measure,
     print_table,
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         "--sample", type=Path, default=SAMPLE, help="the raw Criteo sample whose lines are repeated"
     )
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (for the smoke test)")
-    ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument("--json", type=json_path, default=None, help="write results here")
     args = ap.parse_args(argv)
     rows = 5_000 if args.smoke else args.rows
     repeats = 1 if args.smoke else 2

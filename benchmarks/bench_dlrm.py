@@ -32,6 +32,7 @@ from _harness import (  # noqa: E402
     ServingChild,
     Timing,
     describe_run,
+    json_path,
     kernel_summary,
     measure,
     peak_rss_gib,
@@ -523,7 +524,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--auc-seeds", default="0", help="seeds of the AUC check, e.g. 0,1,2")
     p.add_argument("--lr", type=float, default=0.01, help="dense and sparse Adagrad lr")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, a few steps")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=json_path, default=None)
     p.add_argument("--rounds", type=int, default=5, help="alternating timing rounds")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

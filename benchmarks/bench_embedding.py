@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _harness import (
     ServingChild,
     cpu_summary,
+    json_path,
     kernel_summary,
     measure,
     peak_rss_gib,
@@ -135,7 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="a process per implementation (default), or all in this one (--smoke's default)",
     )
-    p.add_argument("--json", default=None, help="write results to this path")
+    p.add_argument("--json", type=json_path, default=None, help="write results to this path")
     p.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.sweep:

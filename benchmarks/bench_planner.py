@@ -35,7 +35,7 @@ import numpy as np
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.insert(1, str(_HERE.parent))  # run from a checkout without installing
-from _harness import describe_run, kernel_summary, print_table, write_json  # noqa: E402
+from _harness import describe_run, json_path, kernel_summary, print_table, write_json  # noqa: E402
 
 from tetrarec.models.config import DLRMConfig  # noqa: E402
 from tetrarec.planner import (  # noqa: E402
@@ -133,7 +133,7 @@ def device_only(topology: Topology) -> Topology:
 def main(argv: list[str] | None = None) -> int:
     """Run both cases; print and write the report."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", type=json_path, metavar="PATH")
     p.add_argument("--smoke", action="store_true", help="tiny models, seconds")
     p.add_argument("--tables", type=int, default=1000)
     p.add_argument("--params", type=float, default=12e12, help="embedding parameters (12T)")

@@ -55,7 +55,7 @@ import torch
 _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.insert(1, str(_HERE.parent))  # run from a checkout without installing
-from _harness import describe_run, kernel_summary, print_table, write_json  # noqa: E402
+from _harness import describe_run, json_path, kernel_summary, print_table, write_json  # noqa: E402
 from _routing import ROUTE_BATCH, fit_routing  # noqa: E402
 from bench_calibrate import (  # noqa: E402
     combine_rank_rates,
@@ -504,7 +504,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also run TorchRec's planner's choice (when torchrec is installed)",
     )
     p.add_argument("--smoke", action="store_true", help="tiny sizes, for the smoke test")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=json_path, default=None)
     return p.parse_args(argv)
 
 

@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _harness import describe_run, kernel_summary, print_table, write_json
+from _harness import describe_run, json_path, kernel_summary, print_table, write_json
 from bench_dlrm import NUM_DENSE, zipf_ids
 
 TYPES = (
@@ -384,7 +384,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torchrec", choices=("auto", "no"), default="auto",
                    help="also time TorchRec's DMP table-wise at world size 2")  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="tiny sizes, for the smoke test")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=json_path, default=None)
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="after timing, write each rank's profiles to DIR")  # fmt: skip
     return p.parse_args(argv)

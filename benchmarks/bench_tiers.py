@@ -62,7 +62,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from _cache_big import zipf_ids
-from _harness import cpu_summary, describe_run, print_table, write_json
+from _harness import cpu_summary, describe_run, json_path, print_table, write_json
 from _memory_limit import (
     METHODS,
     block_device_facts,
@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=4, help="steps per store per round")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, no budget check")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", type=json_path, metavar="PATH")
     p.add_argument("--child", metavar="DIR", help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -23,7 +23,8 @@ a traceback: errors in the user's input (config, data, checkpoint, an id outside
 table) exit 2; a run that fails (a non-finite loss or state, the compiled kernels
 failing to build under ``TETRAREC_KERNELS=compiled``, an OS error such as a full disk)
 exits 1; Ctrl-C exits 130, SIGTERM (what torchrun, a scheduler or ``docker stop`` send)
-143; both unwind the run, so its SSD scratch files are deleted.
+143; both unwind the run, so its SSD scratch files are deleted (``bench`` forwards
+SIGTERM to its script and waits for it to delete its scratch, at most about a minute).
 """
 
 from __future__ import annotations
@@ -360,7 +361,46 @@ def _bench(args: argparse.Namespace) -> int:
     # caller's; scripts find the repository's own files (examples/) from __file__.
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO_ROOT), env.get("PYTHONPATH")]))
-    return subprocess.call([sys.executable, str(script), *args.args], env=env)
+    child = subprocess.Popen([sys.executable, str(script), *args.args], env=env)
+    try:
+        return child.wait()
+    except KeyboardInterrupt:
+        # Ctrl-C reached the child too: the terminal signals its whole process group.
+        _let_child_unwind(child, then=(signal.SIGTERM, signal.SIGKILL))
+        raise
+    except _Terminated:
+        child.send_signal(signal.SIGTERM)  # only this process was told
+        _let_child_unwind(child, then=(signal.SIGKILL,))
+        raise
+
+
+# How long a stopping benchmark gets to unwind (delete its scratch) before the next step.
+_CHILD_STOP_S = 30.0
+
+
+def _let_child_unwind(child: subprocess.Popen[bytes], then: tuple[signal.Signals, ...]) -> None:
+    """Wait for a signalled child to unwind and exit; escalate while it does not.
+
+    After each ``_CHILD_STOP_S`` that the child is still running it is sent the next
+    signal of ``then``. ``subprocess.call`` killed the child at once on Ctrl-C, before
+    its ``finally`` blocks ran (a ``tetrarec-quality-*`` scratch directory of 15 MB
+    was left behind). A bench script ignores repeated SIGINTs and SIGTERMs while it
+    unwinds (``benchmarks/_harness.unwind_on_signals``), so the SIGTERM after a Ctrl-C
+    only matters to a child that never got the Ctrl-C (a SIGINT sent to this process
+    alone). A second signal to this process while it waits kills the child at once.
+    """
+    try:
+        for signum in then:
+            try:
+                child.wait(timeout=_CHILD_STOP_S)
+                return
+            except subprocess.TimeoutExpired:
+                child.send_signal(signum)
+        child.wait()
+    except BaseException:
+        child.kill()
+        child.wait()
+        raise
 
 
 _COMMANDS = {

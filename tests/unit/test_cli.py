@@ -582,3 +582,67 @@ def test_sigterm_exits_143_and_deletes_the_ssd_scratch_files(tmp_path) -> None:
     assert proc.returncode == 143, err
     assert _one_line(err) == "tetrarec train: terminated (SIGTERM)"
     assert list(ssd.glob("tetrarec-ssd-*")) == []
+
+
+_SLOW_BENCH = """
+import pathlib, sys, tempfile, time
+sys.path.insert(0, {bench!r})
+from _harness import unwind_on_signals
+
+with (
+    unwind_on_signals("bench_slow"),
+    tempfile.TemporaryDirectory(prefix="tetrarec-quality-", dir=sys.argv[1]) as scratch,
+):
+    try:
+        (pathlib.Path(scratch) / "ready").write_text("")
+        time.sleep(120)
+    finally:
+        time.sleep(1.0)  # a cleanup that takes a while (many checkpoints to delete)
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("stop", "status", "said"),
+    [("ctrl-c", 130, "interrupted"), ("sigterm", 143, "terminated (SIGTERM)")],
+)
+def test_a_stopped_bench_deletes_its_scratch_before_exiting(tmp_path, stop, status, said) -> None:
+    """Bug caught: ``tetrarec bench`` ran the script with ``subprocess.call``, which
+    SIGKILLs the child on Ctrl-C before its cleanup runs, and on SIGTERM never told the
+    child at all: ``bench quality``'s ``tetrarec-quality-*`` scratch (15+ MB) was left
+    in TMPDIR. Now the child unwinds (SIGTERM forwarded) and is waited for.
+
+    Real processes: ``tetrarec bench slow`` -> a bench script on the real harness whose
+    cleanup takes a second. Ctrl-C is SIGINT to the whole process group, as a terminal
+    sends it; SIGTERM goes to the ``tetrarec`` process alone, as a scheduler sends it.
+    """
+    tree, scratch = tmp_path / "tree", tmp_path / "scratch"
+    (tree / "benchmarks").mkdir(parents=True)
+    scratch.mkdir()
+    script = _SLOW_BENCH.format(bench=str(REPO / "benchmarks"))
+    (tree / "benchmarks" / "bench_slow.py").write_text(script)
+    # The tetrarec command with its benchmarks folder pointed at the tree above.
+    run = (
+        "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "import tetrarec.cli as cli, pathlib; cli._REPO_ROOT = pathlib.Path(sys.argv[1]); "
+        "sys.exit(cli.main(sys.argv[2:]))"
+    )
+    cmd = [sys.executable, "-c", run, str(tree), "-q", "bench", "slow", str(scratch)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(scratch.glob("tetrarec-quality-*/ready")) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        assert list(scratch.glob("tetrarec-quality-*/ready")), "the bench never started"
+        if stop == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == status, err
+    assert err.strip().splitlines()[-1] == f"tetrarec bench: {said}"
+    assert list(scratch.iterdir()) == []
