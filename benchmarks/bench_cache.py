@@ -69,7 +69,14 @@ from typing import Any
 import numpy as np
 import torch
 from _cache_big import big, big_child, zipf_ids
-from _harness import describe_run, json_path, kernel_summary, print_table, write_json
+from _harness import (
+    describe_run,
+    json_path,
+    kernel_summary,
+    print_table,
+    unwind_on_signals,
+    write_json,
+)
 from _memory_limit import METHODS
 
 from tetrarec.cache import CachedEmbeddingBagCollection, CacheMemory, CacheSpec, CacheStats
@@ -664,4 +671,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with unwind_on_signals("bench_cache"):  # SIGTERM deletes the scratch too
+        main()

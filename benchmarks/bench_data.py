@@ -42,6 +42,7 @@ from _harness import (  # noqa: E402
     kernel_summary,
     measure,
     print_table,
+    unwind_on_signals,
     write_json,
 )
 
@@ -234,4 +235,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with unwind_on_signals("bench_data"):  # SIGTERM deletes the scratch too
+        main()

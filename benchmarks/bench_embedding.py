@@ -60,6 +60,7 @@ from _harness import (
     measure,
     peak_rss_gib,
     print_table,
+    unwind_on_signals,
     write_json,
 )
 
@@ -761,4 +762,5 @@ def print_sweep_summary(results: list[dict[str, Any]]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with unwind_on_signals("bench_embedding"):  # SIGTERM deletes the scratch too
+        main()

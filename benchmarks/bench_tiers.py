@@ -62,7 +62,14 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from _cache_big import zipf_ids
-from _harness import cpu_summary, describe_run, json_path, print_table, write_json
+from _harness import (
+    cpu_summary,
+    describe_run,
+    json_path,
+    print_table,
+    unwind_on_signals,
+    write_json,
+)
 from _memory_limit import (
     METHODS,
     block_device_facts,
@@ -569,4 +576,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with unwind_on_signals("bench_tiers"):  # SIGTERM deletes the scratch too
+        main()

@@ -197,6 +197,28 @@ def test_every_benchmarks_json_path_is_checked_when_parsed(script) -> None:
         assert [getattr(t, "id", None) for t in types] == ["json_path"], ast.unparse(option)
 
 
+def test_every_benchmark_with_scratch_files_unwinds_on_sigterm() -> None:
+    """Bug caught: only bench_quality unwound on SIGTERM (what ``tetrarec bench`` forwards
+    when it is terminated); bench_cache, bench_tiers, bench_data and bench_embedding died
+    at once, leaving their scratch directories (the tiers' SSD files) behind. Every
+    script that makes a scratch directory (itself or through ``_cache_big``) runs under
+    the harness's ``unwind_on_signals``."""
+    with_scratch, missing = [], []
+    for path in sorted(BENCH.glob("bench_*.py")):
+        source = path.read_text()
+        if not any(w in source for w in ("mkdtemp", "TemporaryDirectory", "_cache_big")):
+            continue
+        with_scratch.append(path.name)
+        tree = ast.parse(source)
+        if not any(
+            isinstance(node, ast.Call) and getattr(node.func, "id", None) == "unwind_on_signals"
+            for node in ast.walk(tree)
+        ):
+            missing.append(path.name)
+    assert len(with_scratch) >= 5, with_scratch  # the check still finds the scripts
+    assert missing == []
+
+
 # --- the report, with the training and the data replaced --------------------------------
 
 
