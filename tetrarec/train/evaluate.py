@@ -155,6 +155,8 @@ def evaluate_checkpoint(
         eval_ds: Dataset = TransformedDataset(raw, saved, where=", ".join(files))
     else:  # rows of train_path (data.eval_rows or the held-out tail), or synthetic
         _, eval_ds = build_datasets(config.data, tables, dense=saved)
+        if saved is not None and saved.num_dense == eval_ds.num_dense:
+            saved.check_columns(dense_spec(config.data, eval_ds.num_dense).columns, "the data")
     device = config.train.resolve_device()
     parts = build_parts(config, num_dense=eval_ds.num_dense, device=device)
     load_model_state(path, parts.model)

@@ -261,6 +261,8 @@ def test_dense_columns_reordered_since_the_fit_are_refused_renamed_ones_warned(
     swap = ["data.dense_columns=[year, age]"]
     with pytest.raises(ValueError, match=r"order \(year, age\).*fitted on \(age, year\)"):
         evaluate_checkpoint(result.checkpoint, data=[str(data)], overrides=swap)
+    with pytest.raises(ValueError, match=r"order \(year, age\)"):  # the run's own split
+        evaluate_checkpoint(result.checkpoint, overrides=swap)
     with pytest.raises(ValueError, match=r"order \(year, age\)"):
         train(config(data, tmp_path / "ck", "train.steps=6", *swap), resume=True)
     # The same columns under other names (a renamed file): evaluated by position, warned.
