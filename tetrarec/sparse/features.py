@@ -52,7 +52,8 @@ class SparseFeatures:
             for free so that nobody has to sync to learn it.
 
     ``values``, ``lengths`` and ``weights`` are stored contiguous (a strided tensor is
-    copied).
+    copied). Float64 weights are stored as float32, the precision every lookup pools in
+    (the compiled kernel cast them, the portable path failed on them).
 
     Raises:
         ValueError: on inconsistent shapes or dtypes (no device sync is done here;
@@ -73,6 +74,8 @@ class SparseFeatures:
             t = getattr(self, name)
             if t is not None and not t.is_contiguous():
                 object.__setattr__(self, name, t.contiguous())
+        if self.weights is not None and self.weights.dtype == torch.float64:
+            object.__setattr__(self, "weights", self.weights.float())  # autograd follows
         if len(set(self.keys)) != len(self.keys):
             raise ValueError(f"duplicate feature keys in {self.keys}")
         if self.values.dim() != 1 or self.values.dtype not in _ID_DTYPES:

@@ -8,8 +8,11 @@ kind               optimizer
 =================  ==========================================================
 sgd                ``torch.optim.SGD``
 adagrad            ``torch.optim.Adagrad``
-adam               ``torch.optim.SparseAdam``
+adam               ``RowRuleOptimizer`` (below): the fused rule, each row's own
+                   step count in the bias correction (``torch.optim.SparseAdam``
+                   counts the table's steps)
 rowwise_adagrad    ``RowWiseAdagrad`` (below): one accumulator value per row
+rowwise_adam       ``RowRuleOptimizer``: the fused rule, one second moment per row
 =================  ==========================================================
 
 A fused embedding module updates its rows in backward and brings its own optimizer
@@ -19,13 +22,16 @@ here.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from tetrarec.config import DenseOptimizerKind, OptimConfig
 from tetrarec.embedding import SparseOptimizerSpec
+from tetrarec.kernels.optim_rules import OPTIM_RULES, state_layout
 from tetrarec.types import OptimizerKind
 
 __all__ = [
@@ -122,6 +128,93 @@ class RowWiseAdagrad(torch.optim.Optimizer):
         p.index_add_(0, rows, g / std.unsqueeze(1), alpha=-group["lr"])
 
 
+class RowRuleOptimizer(torch.optim.Optimizer):
+    """A fused embedding's update rule (``kernels.optim_rules``) as a ``torch.optim``.
+
+    For 2-D parameters with sparse or dense gradients: the reference embedding's oracle
+    for the rules torch has no equal of. Adam as the fused embedding applies it ("lazy"
+    Adam, whose bias correction counts each row's own steps; ``torch.optim.SparseAdam``
+    counts the table's, so a row that had skipped steps took another step size), and
+    row-wise Adam. The same function updates the touched rows here and in the fused
+    module's portable kernel, so the two paths train the same rows. Weight decay is the
+    rules' lazy L2.
+
+    Args:
+        params: ``(rows, dim)`` parameters.
+        spec: the rule and its settings; the learning rate is the group's ``lr``
+            (``set_learning_rate``), the other settings the group's too.
+
+    Raises:
+        ValueError: if a parameter is not 2-D.
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], spec: SparseOptimizerSpec) -> None:
+        settings = dataclasses.asdict(spec)
+        self.kind = OptimizerKind(settings.pop("kind"))
+        super().__init__(params, settings)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dim() != 2:
+                    raise ValueError(
+                        f"{self.kind.value} needs 2-D parameters, got {tuple(p.shape)}"
+                    )
+                for name, width in state_layout(self.kind, p.shape[1]).items():
+                    self.state[p][name] = torch.zeros(
+                        p.shape[0], width, dtype=torch.float32, device=p.device
+                    )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a saved state, refusing one of another layout.
+
+        Raises:
+            ValueError: if a parameter's saved state is not this rule's (names and
+                shapes): for example ``torch.optim.SparseAdam``'s, which the reference
+                embedding's Adam used before, with one step count for the table.
+        """
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for p, i in zip(params, saved_ids, strict=True):
+            want = {k: (p.shape[0], w) for k, w in state_layout(self.kind, p.shape[1]).items()}
+            saved = state_dict["state"].get(i, {})
+            got = {k: tuple(getattr(v, "shape", ())) for k, v in saved.items()}
+            if got != want:
+                raise ValueError(
+                    f"the saved {self.kind.value} state does not fit this optimizer (got {got}, "
+                    f"expected {want}): it was written by another optimizer (the reference "
+                    "embedding's Adam was torch.optim.SparseAdam before), so start a new run"
+                )
+        super().load_state_dict(state_dict)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]  # torch's overloads
+        """Apply one update to the touched rows of every parameter with a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        rule = OPTIM_RULES[self.kind]
+        for group in self.param_groups:
+            spec = SparseOptimizerSpec(
+                kind=self.kind, **{k: v for k, v in group.items() if k != "params"}
+            )
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                if grad.is_sparse:
+                    grad = grad.coalesce()  # merges duplicate rows, sorts the row ids
+                    rows, g = grad.indices()[0], grad.values().float()
+                else:
+                    rows, g = torch.arange(p.shape[0], device=p.device), grad.float()
+                w = p.index_select(0, rows).float()
+                state = {k: v.index_select(0, rows) for k, v in self.state[p].items()}
+                rule(w, g, state, spec, spec.lr)
+                p.index_copy_(0, rows, w.to(p.dtype))
+                for k, v in state.items():
+                    self.state[p][k].index_copy_(0, rows, v)
+        return loss
+
+
 def _sgd(params: Sequence[nn.Parameter], spec: SparseOptimizerSpec) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=spec.lr)
 
@@ -132,10 +225,8 @@ def _adagrad(params: Sequence[nn.Parameter], spec: SparseOptimizerSpec) -> torch
     )
 
 
-def _adam(params: Sequence[nn.Parameter], spec: SparseOptimizerSpec) -> torch.optim.Optimizer:
-    return torch.optim.SparseAdam(
-        list(params), lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps
-    )
+def _row_rule(params: Sequence[nn.Parameter], spec: SparseOptimizerSpec) -> torch.optim.Optimizer:
+    return RowRuleOptimizer(params, spec)
 
 
 def _rowwise_adagrad(
@@ -155,12 +246,15 @@ SparseBuilder = Callable[[Sequence[nn.Parameter], SparseOptimizerSpec], torch.op
 SPARSE_OPTIMIZERS: dict[OptimizerKind, SparseBuilder] = {
     OptimizerKind.SGD: _sgd,
     OptimizerKind.ADAGRAD: _adagrad,
-    OptimizerKind.ADAM: _adam,
+    OptimizerKind.ADAM: _row_rule,
     OptimizerKind.ROWWISE_ADAGRAD: _rowwise_adagrad,
+    OptimizerKind.ROWWISE_ADAM: _row_rule,
 }
 
-# torch's sparse-gradient optimizers reject weight decay; only our own rule applies it.
-_SPARSE_WEIGHT_DECAY = frozenset({OptimizerKind.ROWWISE_ADAGRAD})
+# torch's sparse-gradient optimizers reject weight decay; only our own rules apply it.
+_SPARSE_WEIGHT_DECAY = frozenset(
+    {OptimizerKind.ROWWISE_ADAGRAD, OptimizerKind.ADAM, OptimizerKind.ROWWISE_ADAM}
+)
 
 
 def build_sparse_optimizer(
