@@ -7,8 +7,11 @@ exactly what training builds.
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -29,6 +32,7 @@ __all__ = [
     "build_embeddings",
     "build_parts",
     "build_tables",
+    "check_cache_dir",
     "embedding_optimizer",
     "fixed_placements",
     "model_embeddings",
@@ -183,6 +187,34 @@ def model_embeddings(model: DLRM) -> EmbeddingModule:
             f"{type(embeddings).__name__} does not follow tetrarec.models.EmbeddingModule"
         )
     return embeddings
+
+
+def check_cache_dir(config: ModelConfig) -> None:
+    """Refuse, by its key, a ``model.cache.dir`` the run could only fail on later.
+
+    A file, or (for tables placed ``ssd``, whose files go there) a directory that cannot
+    be made or written, is bad input: training and ``tetrarec eval`` both check it
+    before building anything.
+
+    Raises:
+        ValueError: naming ``model.cache.dir`` and what is wrong with it.
+    """
+    where = config.cache.dir
+    if not where:
+        return
+    if Path(where).exists() and not Path(where).is_dir():
+        raise ValueError(f"model.cache.dir={where!r} is a file; give a directory")
+    if Placement.SSD in config.table_placements:
+        try:
+            Path(where).mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".tetrarec-probe-", dir=where)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise ValueError(
+                f"model.cache.dir={where!r}: the ssd placement cannot write its files there "
+                f"({e.strerror or e})"
+            ) from e
 
 
 @dataclass(frozen=True, kw_only=True)

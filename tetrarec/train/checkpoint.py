@@ -109,8 +109,12 @@ def write_checkpoint(root: str | Path, data: CheckpointData) -> Path:
     final = root / f"step_{data.step:08d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     tmp.mkdir()
-    _save_flushed(data.tensors, tmp / _TENSORS)
-    _write_meta(tmp, data)
+    try:
+        _save_flushed(data.tensors, tmp / _TENSORS)
+        _write_meta(tmp, data)
+    except BaseException:  # a full disk, Ctrl-C: the partial files are never read
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _replace(root, tmp, final)
     return final
 
@@ -160,7 +164,16 @@ def write_sharded_checkpoint(
 
 
 def _save_flushed(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path))
+    """Write ``tensors`` to ``path`` and flush it to disk.
+
+    Raises:
+        OSError: if the file cannot be written (a full disk: safetensors raises its own
+            error type, which the command would otherwise report as a traceback).
+    """
+    try:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path))
+    except SafetensorError as e:
+        raise OSError(f"cannot write checkpoint file {path}: {e}") from e
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 

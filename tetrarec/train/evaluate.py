@@ -22,7 +22,7 @@ from tetrarec.data import (
     dense_spec,
     log_bad_lines,
 )
-from tetrarec.train.build import build_parts, build_tables
+from tetrarec.train.build import build_parts, build_tables, check_cache_dir
 from tetrarec.train.checkpoint import read_checkpoint
 from tetrarec.train.metrics import MetricAccumulator, Metrics, compute_metrics
 from tetrarec.train.state import load_dense_transform, load_model_state
@@ -128,6 +128,7 @@ def evaluate_checkpoint(
     if data:  # the run's row ranges were for its own inputs
         config = config.with_overrides(["data.train_rows=none", "data.eval_rows=none"])
     config = config.with_overrides(list(overrides))
+    check_cache_dir(config.model)  # as training does: by its key, before any file is read
     tables = build_tables(config.model)
     saved = load_dense_transform(path)
     load = LOADERS.get(DataSource(config.data.source))

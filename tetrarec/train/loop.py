@@ -33,7 +33,6 @@ import os
 import random
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -52,7 +51,7 @@ from tetrarec.config import DeviceKind, RunConfig, TrainConfig
 from tetrarec.data import BadLineSummary, BatchLoader, input_bad_lines
 from tetrarec.kernels import build_cpu_kernels
 from tetrarec.sparse import Batch
-from tetrarec.train.build import RunParts, build_parts, model_embeddings
+from tetrarec.train.build import RunParts, build_parts, check_cache_dir, model_embeddings
 from tetrarec.train.checkpoint import (
     BEST_LINK,
     best_checkpoint,
@@ -69,7 +68,6 @@ from tetrarec.train.optim import set_learning_rate
 from tetrarec.train.schedule import lr_scale
 from tetrarec.train.state import load_run_state, restore_dense_transform, save_run_state
 from tetrarec.train.static_cache import log_pinned, pinned_rows, sample_counts
-from tetrarec.types import Placement
 
 __all__ = ["NonFiniteLossError", "TrainResult", "train"]
 
@@ -283,24 +281,10 @@ def _check_paths(config: RunConfig) -> None:
     """Refuse, by their keys, paths the run could only fail on after training."""
     if config.train.json:
         jsonio.check_output_path(config.train.json, f"train.json={config.train.json!r}")
-    for key, where in (
-        ("train.checkpoint_dir", config.train.checkpoint_dir),
-        ("model.cache.dir", config.model.cache.dir),
-    ):
-        if where and Path(where).exists() and not Path(where).is_dir():
-            raise ValueError(f"{key}={where!r} is a file; give a directory")
-    where = config.model.cache.dir
-    if where and Placement.SSD in config.model.table_placements:
-        try:  # the SSD tier's files go there: a directory it cannot write is bad input
-            Path(where).mkdir(parents=True, exist_ok=True)
-            fd, probe = tempfile.mkstemp(prefix=".tetrarec-probe-", dir=where)
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as e:
-            raise ValueError(
-                f"model.cache.dir={where!r}: the ssd placement cannot write its files there "
-                f"({e.strerror or e})"
-            ) from e
+    where = config.train.checkpoint_dir
+    if where and Path(where).exists() and not Path(where).is_dir():
+        raise ValueError(f"train.checkpoint_dir={where!r} is a file; give a directory")
+    check_cache_dir(config.model)
 
 
 def _clear_for_fresh_run(config: TrainConfig, rank: int) -> None:

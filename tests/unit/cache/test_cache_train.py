@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tetrarec.config import RunConfig
-from tetrarec.train import latest_checkpoint, read_checkpoint, train
+from tetrarec.train import evaluate_checkpoint, latest_checkpoint, read_checkpoint, train
 
 TINY = [
     "data.source=synthetic",
@@ -184,6 +184,14 @@ def test_an_ssd_directory_the_run_cannot_write_is_refused_by_its_key(tmp_path):
         r"there \(Not a directory\)",
     ):
         train(tiny(tmp_path, "a", "train.steps=1", f"model.cache.dir={bad}"))
+    # tetrarec eval checks it the same way (bug caught: a raw "[Errno 17] File exists"
+    # or "[Errno 20] Not a directory" naming no key, with a failed run's exit status).
+    result = train(tiny(tmp_path, "b", "train.steps=1"))
+    with pytest.raises(ValueError, match=r"model\.cache\.dir='.*afile/sub': the ssd placement"):
+        evaluate_checkpoint(result.checkpoint, overrides=[f"model.cache.dir={bad}"])
+    afile = tmp_path / "afile"
+    with pytest.raises(ValueError, match=r"model\.cache\.dir='.*afile' is a file; give a dir"):
+        evaluate_checkpoint(result.checkpoint, overrides=[f"model.cache.dir={afile}"])
 
 
 def test_the_json_summary_holds_the_runs_cache_counters(tmp_path):

@@ -66,6 +66,25 @@ def test_crash_before_rename_leaves_no_complete_looking_checkpoint(tmp_path, mon
     assert latest_checkpoint(tmp_path).name == "step_00000003"
 
 
+def test_a_full_disk_is_an_os_error_naming_the_file_and_leaves_nothing(
+    tmp_path, monkeypatch
+) -> None:
+    """Bug caught: safetensors reports a full disk as its own SafetensorError, which the
+    command printed as a traceback (it reports OSError as one line, exit 1), and the
+    partial temporary directory stayed until the next checkpoint."""
+    from safetensors import SafetensorError
+
+    import tetrarec.train.checkpoint as ck
+
+    def full(tensors, path):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device")
+
+    monkeypatch.setattr(ck, "save_file", full)
+    with pytest.raises(OSError, match=r"cannot write checkpoint file .*No space left on device"):
+        write_checkpoint(tmp_path, _data(1))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_incomplete_directory_is_not_a_checkpoint(tmp_path) -> None:
     (tmp_path / "step_00000009").mkdir()
     (tmp_path / "step_00000009" / "tensors.safetensors").write_bytes(b"")
