@@ -607,10 +607,12 @@ class RunConfig:
 
         Raises:
             ValueError: on a TOML syntax error, a malformed override, an unknown key or
-                a bad value; the message names the file.
+                a bad value (the message names the file), or a directory for ``path``.
             FileNotFoundError: if the file does not exist.
         """
         path = Path(path)
+        if path.is_dir():
+            raise ValueError(f"{path} is a directory; give the run's TOML file")
         try:
             values = tomllib.loads(path.read_text())
             _apply_overrides(values, overrides)

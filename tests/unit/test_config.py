@@ -364,3 +364,10 @@ def test_model_cache_errors_name_the_field(overrides: list[str], match: str) -> 
     key is wrong and what is valid."""
     with pytest.raises(ValueError, match=match):
         RunConfig().with_overrides(overrides)
+
+
+def test_a_directory_for_the_config_is_bad_input(tmp_path) -> None:
+    """Bug caught: `tetrarec train --config /tmp` failed as "[Errno 21] Is a directory",
+    an OSError, with the exit status of a failed run (1) instead of bad input (2)."""
+    with pytest.raises(ValueError, match=r"is a directory; give the run's TOML file"):
+        RunConfig.from_toml(tmp_path)
