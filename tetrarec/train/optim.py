@@ -44,6 +44,28 @@ __all__ = [
 ]
 
 
+def _closure_loss(closure: Callable[[], float] | None) -> float | None:
+    """``torch.optim``'s closure protocol: the loss it returns, with gradients enabled."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def _touched_rows(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows ``(U,)`` a step touches and their gradient ``(U, D)``.
+
+    A sparse gradient is coalesced (duplicate rows summed, row ids sorted); a dense
+    one touches every row.
+    """
+    grad = p.grad
+    assert grad is not None
+    if grad.is_sparse:
+        grad = grad.coalesce()
+        return grad.indices()[0], grad.values()
+    return torch.arange(p.shape[0], device=p.device), grad
+
+
 class RowWiseAdagrad(torch.optim.Optimizer):
     """Row-wise Adagrad for 2-D parameters, with sparse or dense gradients.
 
@@ -99,10 +121,7 @@ class RowWiseAdagrad(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]  # torch's overloads
         """Apply one update to every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -111,15 +130,7 @@ class RowWiseAdagrad(torch.optim.Optimizer):
         return loss
 
     def _update(self, p: torch.Tensor, group: dict[str, float]) -> None:
-        grad = p.grad
-        assert grad is not None
-        if grad.is_sparse:
-            grad = grad.coalesce()  # merges duplicate rows, sorts the row ids
-            rows = grad.indices()[0]  # (U,)
-            g = grad.values()  # (U, D)
-        else:
-            rows = torch.arange(p.shape[0], device=p.device)
-            g = grad
+        rows, g = _touched_rows(p)
         if group["weight_decay"] != 0:
             g = g + group["weight_decay"] * p.index_select(0, rows)
         acc = self.state[p]["sum"]
@@ -188,10 +199,7 @@ class RowRuleOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]  # torch's overloads
         """Apply one update to the touched rows of every parameter with a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         rule = OPTIM_RULES[self.kind]
         for group in self.param_groups:
             spec = SparseOptimizerSpec(
@@ -200,13 +208,8 @@ class RowRuleOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                grad = p.grad
-                if grad.is_sparse:
-                    grad = grad.coalesce()  # merges duplicate rows, sorts the row ids
-                    rows, g = grad.indices()[0], grad.values().float()
-                else:
-                    rows, g = torch.arange(p.shape[0], device=p.device), grad.float()
-                w = p.index_select(0, rows).float()
+                rows, g = _touched_rows(p)
+                g, w = g.float(), p.index_select(0, rows).float()
                 state = {k: v.index_select(0, rows) for k, v in self.state[p].items()}
                 rule(w, g, state, spec, spec.lr)
                 p.index_copy_(0, rows, w.to(p.dtype))
