@@ -100,6 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_set(ev)
     ev.add_argument("--json", metavar="PATH", help="write the metrics as JSON")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     pre = sub.add_parser("preprocess", help="parse raw data once into a fast format")
     pre_sub = pre.add_subparsers(dest="format", required=True, metavar="FORMAT")
@@ -230,7 +231,9 @@ def _eval(args: argparse.Namespace) -> int:
     from tetrarec.train import evaluate_checkpoint
     from tetrarec.train.metrics import miscalibration
 
-    metrics = evaluate_checkpoint(args.checkpoint, data=args.data, overrides=args.overrides)
+    metrics = evaluate_checkpoint(
+        args.checkpoint, data=args.data, overrides=args.overrides, progress=not args.no_progress
+    )
     note = miscalibration(metrics)
     if note is not None:
         logging.getLogger("tetrarec.eval").warning("miscalibrated: %s", note)

@@ -128,7 +128,12 @@ def test_train_eval_resume_print_what_they_write(capsys, tmp_path, example) -> N
 
     ev = tmp_path / "eval.json"
     assert main(["-q", "eval", "--checkpoint", str(ckpt), "--json", str(ev)]) == 0
-    ev_line = capsys.readouterr().out.strip()
+    captured = capsys.readouterr()
+    ev_line = captured.out.strip()
+    # Long evaluations show their progress (bug caught: eval showed none, however long).
+    assert re.search(r"/\d+(\.\d+)?k? .*sample/s", captured.err), captured.err[-300:]
+    assert main(["-q", "eval", "--checkpoint", str(ckpt), "--no-progress"]) == 0
+    assert "sample/s" not in capsys.readouterr().err
     ev_json = json.loads(ev.read_text())
     assert ev_json.pop("checkpoint") == str(ckpt)
     assert ev_json == summary["final"]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from tetrarec.comm import Communicator
 from tetrarec.config import RunConfig
@@ -39,8 +41,12 @@ def evaluate(
     batch_size: int,
     comm: Communicator | None = None,
     device: torch.device | None = None,
+    progress: bool = False,
 ) -> Metrics:
     """Exact metrics of ``model`` over every row of ``dataset``, in order.
+
+    ``progress`` shows a bar of the rows evaluated on stderr (rank 0's): ``tetrarec
+    eval`` turns it on; the training loop's evaluations keep to the training bar.
 
     The model is put in eval mode for the pass and restored afterwards. With ``comm``
     (a sharded model), each rank evaluates its slice of every batch and the metrics are
@@ -62,12 +68,23 @@ def evaluate(
     acc = MetricAccumulator()
     was_training = model.training
     model.eval()
+    bar = tqdm(
+        total=dataset.num_samples,
+        unit="sample",
+        unit_scale=True,
+        file=sys.stderr,
+        disable=not progress or rank != 0,
+        dynamic_ncols=True,
+        leave=False,
+    )
     try:
         with torch.no_grad():
             for batch in loader:
                 batch = batch.to(device)
                 acc.update(model(batch.dense, batch.sparse), batch.labels)  # logits (B,)
+                bar.update(batch.labels.numel() * world)  # every rank's slice alike
     finally:
+        bar.close()
         loader.close()
         model.train(was_training)
     if comm is None or world == 1:
@@ -97,6 +114,7 @@ def evaluate_checkpoint(
     *,
     data: Sequence[str] = (),
     overrides: Sequence[str] = (),
+    progress: bool = False,
 ) -> Metrics:
     """Rebuild the model saved in checkpoint ``path`` and evaluate it.
 
@@ -112,6 +130,7 @@ def evaluate_checkpoint(
             empty evaluates on the run's own evaluation split: when that is
             ``data.eval_path``, only those files are read (the training files may be
             gone); rows of ``data.train_path`` need that file.
+        progress: show a progress bar of the rows evaluated on stderr.
         overrides: dotted config overrides of the run's config (for example
             ``"data.source=criteo"`` or ``"data.eval_rows=[0, 1000]"``); the dense
             transform is the checkpoint's whatever ``data.dense_*`` says.
@@ -162,4 +181,10 @@ def evaluate_checkpoint(
     parts = build_parts(config, num_dense=eval_ds.num_dense, device=device)
     load_model_state(path, parts.model)
     logger.info("evaluating %s on %d rows (%s)", path, eval_ds.num_samples, device)
-    return evaluate(parts.model, eval_ds, batch_size=config.data.eval_batch_size, device=device)
+    return evaluate(
+        parts.model,
+        eval_ds,
+        batch_size=config.data.eval_batch_size,
+        device=device,
+        progress=progress,
+    )
