@@ -59,6 +59,18 @@ _FIGURE = re.compile(r"(AUC|NE|log loss|calibration|accuracy|samples/s|steps) ([
 _METRIC_KEYS = {"AUC": "auc", "NE": "ne", "log loss": "log_loss", "calibration": "calibration"}
 
 
+def _wait_for(
+    proc: subprocess.Popen, where: Path, pattern: str, limit_s: float, never: str
+) -> None:
+    """Wait until ``where`` holds a match of ``pattern`` while ``proc`` runs (it must not
+    exit first), at most ``limit_s`` seconds; fail with ``never`` if none appeared."""
+    deadline = time.monotonic() + limit_s
+    while not list(where.glob(pattern)) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    assert list(where.glob(pattern)), never
+
+
 def _sets(*items: str) -> list[str]:
     return [a for item in items for a in ("--set", item)]
 
@@ -575,11 +587,7 @@ def test_sigterm_exits_143_and_deletes_the_ssd_scratch_files(tmp_path) -> None:
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while not list(ssd.glob("tetrarec-ssd-*")) and time.monotonic() < deadline:
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.2)
-        assert list(ssd.glob("tetrarec-ssd-*")), "the run never made its SSD files"
+        _wait_for(proc, ssd, "tetrarec-ssd-*", 240, "the run never made its SSD files")
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:
@@ -635,11 +643,7 @@ def test_a_stopped_bench_deletes_its_scratch_before_exiting(tmp_path, stop, stat
     cmd = [sys.executable, "-c", run, str(tree), "-q", "bench", "slow", str(scratch)]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while not list(scratch.glob("tetrarec-quality-*/ready")) and time.monotonic() < deadline:
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.1)
-        assert list(scratch.glob("tetrarec-quality-*/ready")), "the bench never started"
+        _wait_for(proc, scratch, "tetrarec-quality-*/ready", 120, "the bench never started")
         if stop == "ctrl-c":
             os.killpg(proc.pid, signal.SIGINT)
         else:
