@@ -67,7 +67,7 @@ import torch
 
 from tetrarec import jsonio
 from tetrarec.cache import CachePolicy, CacheSpec
-from tetrarec.data.config import DataConfig
+from tetrarec.data.config import DataConfig, expand_home
 from tetrarec.embedding import SparseOptimizerSpec
 from tetrarec.kernels.quant import SUPPORTED_PRECISIONS
 from tetrarec.models import DLRMConfig
@@ -150,6 +150,7 @@ class CacheConfig:
     static_sample_batches: int = 100
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dir", expand_home(self.dir))
         if self.static_sample_batches < 1:
             raise ValueError(
                 "model.cache.static_sample_batches must be >= 1 (training batches whose ids the "
@@ -418,6 +419,8 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("checkpoint_dir", "json", "tensorboard_dir"):
+            object.__setattr__(self, name, expand_home(getattr(self, name)))
         counts = ("eval_every", "checkpoint_every", "threads", "log_every", "early_stop_patience")
         bad = {k: getattr(self, k) for k in counts if getattr(self, k) < 0}
         if self.threads > MAX_THREADS:
@@ -557,6 +560,8 @@ class ShardingConfig:
     stats: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("plan", "stats"):
+            object.__setattr__(self, name, expand_home(getattr(self, name)))
         if self.type is not None and self.plan is not None:
             raise ValueError("set sharding.type or sharding.plan, not both")
         if (self.column_block is not None and self.column_block <= 0) or not (

@@ -371,3 +371,34 @@ def test_a_directory_for_the_config_is_bad_input(tmp_path) -> None:
     an OSError, with the exit status of a failed run (1) instead of bad input (2)."""
     with pytest.raises(ValueError, match=r"is a directory; give the run's TOML file"):
         RunConfig.from_toml(tmp_path)
+
+
+def test_every_path_field_expands_a_leading_tilde(tmp_path: Path, monkeypatch) -> None:
+    """Bug caught: no shell expands ``~`` inside a TOML file or after ``--set key=``, so
+    ``checkpoint_dir = "~/ck"`` wrote to a directory named ``~`` in the working
+    directory (and so did every other path field). A ``~`` inside a path stays."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    f = tmp_path / "run.toml"
+    f.write_text(
+        '[data]\nsource = "parquet"\ntrain_path = ["~/a.parquet", "x/~b.parquet"]\nsparse_columns = ["C1", "C2"]\n'
+        'eval_path = ["~/e.parquet"]\n[model]\nnum_sparse = 2\n'
+        '[model.cache]\ndir = "~/ssd"\n'
+        '[train]\ncheckpoint_dir = "~/ck"\njson = "~/s.json"\ntensorboard_dir = "~/tb"\n'
+        '[sharding]\nplan = "~/plan.json"\nstats = "~/stats.json"\n'
+    )
+    c = RunConfig.from_toml(f)
+    assert c.data.train_path == (f"{tmp_path}/a.parquet", "x/~b.parquet")
+    assert c.data.eval_path == (f"{tmp_path}/e.parquet",)
+    assert c.model.cache.dir == f"{tmp_path}/ssd"
+    assert (c.train.checkpoint_dir, c.train.json, c.train.tensorboard_dir) == (
+        f"{tmp_path}/ck",
+        f"{tmp_path}/s.json",
+        f"{tmp_path}/tb",
+    )
+    assert (c.sharding.plan, c.sharding.stats) == (
+        f"{tmp_path}/plan.json",
+        f"{tmp_path}/stats.json",
+    )
+    o = RunConfig().with_overrides(["train.checkpoint_dir=~/other", "model.cache.dir=none"])
+    assert o.train.checkpoint_dir == f"{tmp_path}/other"
+    assert o.model.cache.dir is None

@@ -9,6 +9,7 @@ working); lists given by a TOML file are normalized to tuples.
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -22,6 +23,7 @@ __all__ = [
     "DataSource",
     "DenseKind",
     "SyntheticConfig",
+    "expand_home",
 ]
 
 
@@ -247,6 +249,16 @@ def _as_tuple(value: object) -> tuple[str, ...]:
     return tuple(str(v) for v in value)
 
 
+def expand_home(path: str | None) -> str | None:
+    """``path`` with a leading ``~`` or ``~user`` made the home directory.
+
+    A config's paths come from TOML or ``--set``, which no shell expands: without this,
+    ``checkpoint_dir = "~/ck"`` would write to a directory named ``~`` in the working
+    directory.
+    """
+    return None if path is None else os.path.expanduser(path)
+
+
 def _check_rows(name: str, rows: tuple[int, int] | None) -> tuple[int, int] | None:
     if rows is None:
         return None
@@ -405,6 +417,8 @@ class DataConfig:
         object.__setattr__(self, "on_bad_line", BadLinePolicy.parse(self.on_bad_line))
         for name in ("train_path", "eval_path", "dense_columns", "sparse_columns"):
             object.__setattr__(self, name, _as_tuple(getattr(self, name)))
+        for name in ("train_path", "eval_path"):
+            object.__setattr__(self, name, tuple(map(os.path.expanduser, getattr(self, name))))
         object.__setattr__(self, "train_rows", _check_rows("train_rows", self.train_rows))
         object.__setattr__(self, "eval_rows", _check_rows("eval_rows", self.eval_rows))
         _positive("DataConfig", batch_size=self.batch_size, eval_batch_size=self.eval_batch_size)
