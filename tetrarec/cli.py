@@ -159,7 +159,7 @@ def _parser() -> argparse.ArgumentParser:
 
     _add_plan(sub)
     bench = sub.add_parser("bench", help="run benchmarks/bench_NAME.py from the source tree")
-    bench.add_argument("name")
+    bench.add_argument("name", nargs="?", help="the benchmark (none: list them)")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script")
     return parser
 
@@ -352,12 +352,18 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    script = _REPO_ROOT / "benchmarks" / f"bench_{args.name}.py"
+    folder = _REPO_ROOT / "benchmarks"
+    found = ", ".join(sorted(p.stem.removeprefix("bench_") for p in folder.glob("bench_*.py")))
+    if args.name is None:
+        raise ValueError(
+            f"name a benchmark (tetrarec bench NAME --help for its options); available: "
+            f"{found or f'none ({folder} has no bench_*.py)'}"
+        )
+    script = folder / f"bench_{args.name}.py"
     if not script.is_file():
-        found = sorted(p.stem.removeprefix("bench_") for p in script.parent.glob("bench_*.py"))
         raise ValueError(
             f"no benchmark {args.name!r}: {script} does not exist (benchmarks live in the "
-            f"source tree, not in an installed package); available: {', '.join(found) or 'none'}"
+            f"source tree, not in an installed package); available: {found or 'none'}"
         )
     # The script imports the tetrarec of this same source tree, installed or not. It
     # runs in the caller's directory, so that relative paths (--json out.json) are the

@@ -730,13 +730,18 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
         arms = typing.get_args(hint)
         if value is None and type(None) in arms:
             return None
-        errors = []
+        errors: dict[Any, str] = {}
         for arm in (a for a in arms if a is not type(None)):
             try:
                 return _convert(arm, value, where)
             except ValueError as e:
-                errors.append(str(e))
-        raise ValueError(" / ".join(errors))
+                errors[arm] = str(e)
+        # Name only the arms of the value's shape: "'foo' is not one of host, ..." for
+        # an ``enum | tuple[enum, ...]`` field given one bad name, not also "expected
+        # a list".
+        is_list = isinstance(value, list | tuple)
+        shaped = [e for a, e in errors.items() if (typing.get_origin(a) is tuple) == is_list]
+        raise ValueError(" / ".join(shaped or errors.values()))
     if origin is tuple:
         return _convert_tuple(typing.get_args(hint), value, where)
     section = _dataclass_of(hint)
@@ -826,8 +831,9 @@ def _parse_text(text: str, hint: Any, where: str) -> Any:
     3. the bare text (``out/ck``, ``adam``, or ``123`` for a ``str`` field);
     4. for a list field, comma-separated items (``64,16``), each parsed the same way.
 
-    When none converts, the TOML reading (else the bare text) is returned, so that
-    the conversion's error names the value as TOML read it.
+    When none converts, the TOML reading (else the bare text; for a list field written
+    ``[a, b]``, its items) is returned, so that the conversion's error names the value
+    as TOML read it, or the bad item.
     """
     union = typing.get_origin(hint) in (typing.Union, types.UnionType)
     arms = typing.get_args(hint) if union else (hint,)
@@ -843,12 +849,14 @@ def _parse_text(text: str, hint: Any, where: str) -> Any:
         if isinstance(value, str):
             candidates.append([value])
     candidates.append(text)
+    listed = None
     for arm in arms:
         if typing.get_origin(arm) is tuple:
             item = typing.get_args(arm)[0]
             bare = text[1:-1] if text.startswith("[") and text.endswith("]") else text
             items = [t.strip() for t in bare.split(",")]
-            candidates.append([_parse_text(t, item, f"{where}[{i}]") for i, t in enumerate(items)])
+            listed = [_parse_text(t, item, f"{where}[{i}]") for i, t in enumerate(items)]
+            candidates.append(listed)
             break
     for candidate in candidates:
         try:
@@ -856,4 +864,6 @@ def _parse_text(text: str, hint: Any, where: str) -> Any:
         except (ValueError, TypeError):
             continue
         return candidate
+    if listed is not None and text.startswith("["):  # "[host, foo]": name the bad item
+        return listed
     return candidates[0]

@@ -211,6 +211,17 @@ def test_bench_unknown_name_is_a_clear_error(capsys) -> None:
     assert "quality" in err
 
 
+def test_bench_without_a_name_lists_the_benchmarks(capsys) -> None:
+    """Bug caught: ``tetrarec bench`` alone said "the following arguments are required:
+    name, args", naming no benchmark and an ``args`` that is optional."""
+    assert main(["-q", "bench"]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert "name a benchmark" in err
+    assert "available:" in err
+    assert "quality" in err
+    assert "args" not in err
+
+
 def test_bench_runs_the_script_with_its_args(capfd) -> None:
     """The script runs and gets the arguments (its own --help usage is printed)."""
     assert main(["-q", "bench", "quality", "--help"]) == 0

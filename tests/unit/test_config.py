@@ -123,9 +123,16 @@ def test_overrides_parse_with_field_types() -> None:
         ("train.steps", r"not of the form section\.key=value"),
         ("train.steps=ten", r"train\.steps: expected int, got 'ten'"),
         ("model.embedding=gpu", r"'gpu' is not one of reference, fused"),
+        # an ``enum | tuple[enum, ...]`` field: one bad name, and a bad item of a list
+        ("model.placement=foo", r"^model\.placement: 'foo' is not one of [a-z, ]*$"),
+        ("model.placement=[host, foo]", r"^model\.placement\[1\]: 'foo' is not one of"),
+        ("model.dlrm.bottom_mlp=[64, x]", r"^model\.dlrm\.bottom_mlp\[1\]: expected int, got 'x'$"),
     ],
 )
 def test_override_errors(override: str, match: str) -> None:
+    """Bugs caught (the last three): a bad enum name for a field that also takes a list
+    added "expected a list, got 'foo'" to the message, and a list with one bad item
+    was named as a whole ("'[host, foo]' is not one of ...") instead of by its item."""
     with pytest.raises(ValueError, match=match):
         RunConfig().with_overrides([override])
 
@@ -380,7 +387,8 @@ def test_every_path_field_expands_a_leading_tilde(tmp_path: Path, monkeypatch) -
     monkeypatch.setenv("HOME", str(tmp_path))
     f = tmp_path / "run.toml"
     f.write_text(
-        '[data]\nsource = "parquet"\ntrain_path = ["~/a.parquet", "x/~b.parquet"]\nsparse_columns = ["C1", "C2"]\n'
+        '[data]\nsource = "parquet"\ntrain_path = ["~/a.parquet", "x/~b.parquet"]\n'
+        'sparse_columns = ["C1", "C2"]\n'
         'eval_path = ["~/e.parquet"]\n[model]\nnum_sparse = 2\n'
         '[model.cache]\ndir = "~/ssd"\n'
         '[train]\ncheckpoint_dir = "~/ck"\njson = "~/s.json"\ntensorboard_dir = "~/tb"\n'
