@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 from tetrarec import jsonio
 
 if TYPE_CHECKING:
+    from tetrarec.comm import LaunchInfo
     from tetrarec.config import RunConfig
 
 __all__ = ["main"]
@@ -466,6 +467,16 @@ def _fail(command: str, error: BaseException, status: int) -> int:
     return status
 
 
+def _log_format(launch: LaunchInfo) -> str:
+    """The log line's format.
+
+    Under torchrun the other ranks log warnings only, and each line says whose it is: a
+    warning about the data that every rank reads is one line per rank, told apart.
+    """
+    rank = f"rank {launch.rank} " if launch.world_size > 1 else ""
+    return f"%(asctime)s {rank}%(levelname)s %(name)s: %(message)s"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command in ``argv`` (default ``sys.argv[1:]``); return the exit status.
 
@@ -479,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.launch = launch_info()
     logging.basicConfig(
         level=logging.WARNING if args.quiet or args.launch.rank != 0 else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=_log_format(args.launch),
         stream=sys.stderr,
     )
     from tqdm.contrib.logging import logging_redirect_tqdm

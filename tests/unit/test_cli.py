@@ -317,6 +317,23 @@ def test_train_reports_the_skipped_lines_at_the_end_and_in_its_json(capsys, tmp_
 # -- tetrarec's own errors: one line on stderr, the documented exit status -----------------
 
 
+def test_log_lines_of_a_torchrun_launch_name_their_rank() -> None:
+    """Bug caught: every rank of a sharded run wrote the same warning about the data
+    that they all read, in lines that did not say which rank wrote them."""
+    import logging
+
+    from tetrarec.cli import _log_format
+    from tetrarec.comm import LaunchInfo
+
+    record = logging.LogRecord("tetrarec.data", logging.WARNING, "", 0, "odd rows", None, None)
+
+    def line(launch: LaunchInfo) -> str:
+        return logging.Formatter(_log_format(launch)).format(record).split(" ", 2)[2]
+
+    assert line(LaunchInfo()) == "WARNING tetrarec.data: odd rows"
+    assert line(LaunchInfo(rank=1, world_size=2)) == "rank 1 WARNING tetrarec.data: odd rows"
+
+
 def test_a_rank_that_cannot_join_is_one_line_naming_rank_and_timeout(capsys, monkeypatch) -> None:
     """A rank missing or late at the rendezvous: exit 1 with one line naming the rank
     and ``sharding.timeout_s``, not torch's ``DistStoreError`` traceback through tetrarec."""
