@@ -32,14 +32,14 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from tetrarec import jsonio
@@ -334,11 +334,17 @@ def read_meta(path: str | Path, *, require: Mapping[str, type] | None = None) ->
 
 
 def read_checkpoint(
-    path: str | Path, *, require: Mapping[str, type] | None = None
+    path: str | Path,
+    *,
+    require: Mapping[str, type] | None = None,
+    prefixes: Sequence[str] | None = None,
 ) -> CheckpointData:
     """Read a checkpoint directory written by ``write_checkpoint``.
 
     ``require``: the meta keys the caller reads, with their JSON types (``read_meta``).
+    ``prefixes``: read only the tensors whose names start with one of these (``None``:
+    all). Evaluation reads the model's (``"model."``, ``"embedding."``) and leaves the
+    optimizer states, up to twice the tables' size under Adam, on disk.
 
     Raises:
         FileNotFoundError: if ``path`` is not a complete checkpoint.
@@ -354,7 +360,12 @@ def read_checkpoint(
             f"{CHECKPOINT_FORMAT}"
         )
     try:
-        tensors = load_file(str(path / _TENSORS))
+        if prefixes is None:
+            tensors = load_file(str(path / _TENSORS))
+        else:
+            with safe_open(str(path / _TENSORS), framework="pt") as f:
+                names = [k for k in f.keys() if k.startswith(tuple(prefixes))]  # noqa: SIM118
+                tensors = {k: f.get_tensor(k) for k in names}
     except SafetensorError as e:
         raise ValueError(f"{path / _TENSORS}: damaged checkpoint tensors ({e})") from e
     return CheckpointData(step=meta["step"], tensors=tensors, meta=meta)

@@ -25,9 +25,9 @@ from tetrarec.data import (
     log_bad_lines,
 )
 from tetrarec.train.build import build_parts, build_tables, check_cache_dir
-from tetrarec.train.checkpoint import read_checkpoint
+from tetrarec.train.checkpoint import read_meta
 from tetrarec.train.metrics import MetricAccumulator, Metrics, compute_metrics
-from tetrarec.train.state import load_dense_transform, load_model_state
+from tetrarec.train.state import check_same_cache, load_dense_transform, load_model_state
 
 __all__ = ["checkpoint_config", "evaluate", "evaluate_checkpoint"]
 
@@ -106,7 +106,7 @@ def checkpoint_config(path: str | Path) -> RunConfig:
         FileNotFoundError: if ``path`` is not a checkpoint.
         ValueError: if its ``meta.json`` is damaged (no ``config``, for one).
     """
-    return RunConfig.from_dict(read_checkpoint(path, require={"config": dict}).meta["config"])
+    return RunConfig.from_dict(read_meta(path, require={"config": dict})["config"])
 
 
 def evaluate_checkpoint(
@@ -143,10 +143,24 @@ def evaluate_checkpoint(
             that does not fit the model (its dense columns mapped in another order than
             the run's among them), or ``train.device = "cuda"`` without CUDA.
     """
-    config = checkpoint_config(path)
+    saved_config = checkpoint_config(path)
+    config = saved_config
     if data:  # the run's row ranges were for its own inputs
         config = config.with_overrides(["data.train_rows=none", "data.eval_rows=none"])
     config = config.with_overrides(list(overrides))
+    check_same_cache(
+        path,
+        saved_config.to_dict()["model"],
+        config.model,
+        doing="eval",
+        advice="evaluate with the run's [model.cache] settings (leave them out of --set)",
+    )
+    if not config.model.cached:
+        # Evaluation applies no optimizer: build the tables with SGD's, which holds no
+        # state (Adam's would take twice the tables' memory, for nothing). The rows'
+        # layout does not depend on it. A cache keeps optimizer state per slot, and its
+        # checkpoint holds it, so a cached model keeps its optimizer.
+        config = config.with_overrides(["optim.sparse.kind=sgd"])
     check_cache_dir(config.model)  # as training does: by its key, before any file is read
     tables = build_tables(config.model)
     saved = load_dense_transform(path)

@@ -66,7 +66,12 @@ from tetrarec.train.evaluate import evaluate
 from tetrarec.train.metrics import BestEval, Metrics, miscalibration
 from tetrarec.train.optim import set_learning_rate
 from tetrarec.train.schedule import lr_scale
-from tetrarec.train.state import load_run_state, restore_dense_transform, save_run_state
+from tetrarec.train.state import (
+    check_same_cache,
+    load_run_state,
+    restore_dense_transform,
+    save_run_state,
+)
 from tetrarec.train.static_cache import log_pinned, pinned_rows, sample_counts
 
 __all__ = ["NonFiniteLossError", "TrainResult", "train"]
@@ -272,11 +277,6 @@ def train(
         return result
 
 
-def _settings(values: dict[str, Any]) -> str:
-    """``"policy=lru fraction=0.2"``: the settings that are set."""
-    return " ".join(f"{k}={v}" for k, v in values.items() if v is not None)
-
-
 def _check_paths(config: RunConfig) -> None:
     """Refuse, by their keys, paths the run could only fail on after training."""
     if config.train.json:
@@ -410,7 +410,13 @@ class _Run:
                 f"{self.config.data.batch_size}: its data position counts batches of {saved}, "
                 "so resume with that batch size (or start a new run)"
             )
-        self._check_same_cache(path, meta.get("config", {}).get("model", {}))
+        check_same_cache(
+            path,
+            meta.get("config", {}).get("model", {}),
+            self.config.model,
+            doing="resume",
+            advice="resume with the same [model.cache] settings (or start a new run)",
+        )
         self._check_same_optimizers(path, meta.get("config", {}).get("optim", {}))
         self.step, position = load_run_state(path, self.parts)
         self.train_ds, self.eval_ds = restore_dense_transform(path, self.train_ds, self.eval_ds)
@@ -426,33 +432,6 @@ class _Run:
         self.last_checkpoint = path
         self._resume_best(path, meta.get("best"))
         logger.info("resumed from %s at step %d", path, self.step)
-
-    def _check_same_cache(self, path: Path, saved: dict[str, Any]) -> None:
-        """Refuse a resume whose caches are of another policy or size than the saved ones.
-
-        A checkpoint holds each cache's slots and policy state as that policy and size
-        left them: restored under another policy they would be kept as they are (an LRU
-        cache's rows "pinned" by ``static``, while the log named other rows), and under
-        another size they do not fit. A checkpoint of uncached tables has no caches to
-        restore (its tables may start caching). ``saved``: the checkpoint's model config.
-        """
-        placed = saved.get("placement", "host")
-        placed = placed if isinstance(placed, list) else [placed]
-        mine = self.config.model
-        if not mine.cached or not any(p in ("cached", "ssd") for p in placed):
-            return
-        was = {k: saved.get("cache", {}).get(k) for k in ("policy", "fraction", "bytes")}
-        now = {
-            "policy": mine.cache.policy.value,
-            "fraction": mine.cache.fraction,
-            "bytes": mine.cache.bytes,
-        }
-        if was != now:
-            raise ValueError(
-                f"resume: {path} cached its tables with model.cache {_settings(was)}, this "
-                f"run has {_settings(now)}: its caches' contents are saved for that policy "
-                "and size, so resume with the same [model.cache] settings (or start a new run)"
-            )
 
     def _check_same_optimizers(self, path: Path, saved: dict[str, Any]) -> None:
         """Refuse a resume whose optimizers are of other kinds than the saved ones.

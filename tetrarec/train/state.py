@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from tetrarec.config import RunConfig
+from tetrarec.config import ModelConfig, RunConfig
 from tetrarec.data import DenseTransform, TransformedDataset
 from tetrarec.sharding import ShardedEmbeddingBagCollection
 from tetrarec.train.build import RunParts, model_embeddings
@@ -54,6 +54,7 @@ from tetrarec.train.checkpoint import (
 
 __all__ = [
     "NonFiniteStateError",
+    "check_same_cache",
     "load_dense_transform",
     "load_model_state",
     "load_run_state",
@@ -187,13 +188,54 @@ def _strip(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Ten
     return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
+def check_same_cache(
+    path: str | Path, saved: dict[str, Any], mine: ModelConfig, *, doing: str, advice: str
+) -> None:
+    """Refuse to load checkpoint ``path`` with caches of another policy or size.
+
+    A checkpoint holds each cache's slots and policy state as that policy and size left
+    them: restored under another policy they would be kept as they are (an LRU cache's
+    rows "pinned" by ``static``, while the log named other rows), and under another size
+    they do not fit. A checkpoint of uncached tables has no caches to restore (its
+    tables may start caching).
+
+    Args:
+        path: the checkpoint.
+        saved: its ``model`` config, as its ``meta.json`` holds it.
+        mine: the model config that would load it.
+        doing: what loads it, the message's first word (``"resume"``, ``"eval"``).
+        advice: what to do instead, the message's end.
+
+    Raises:
+        ValueError: naming both caches' settings, if they differ.
+    """
+    placed = saved.get("placement", "host")
+    placed = placed if isinstance(placed, list) else [placed]
+    if not mine.cached or not any(p in ("cached", "ssd") for p in placed):
+        return
+    was = {k: saved.get("cache", {}).get(k) for k in ("policy", "fraction", "bytes")}
+    cache = mine.cache
+    now = {"policy": cache.policy.value, "fraction": cache.fraction, "bytes": cache.bytes}
+    if was != now:
+        raise ValueError(
+            f"{doing}: {path} cached its tables with model.cache {_settings(was)}, not "
+            f"{_settings(now)}: its caches' contents are saved for that policy and size, "
+            f"so {advice}"
+        )
+
+
+def _settings(values: dict[str, Any]) -> str:
+    """``"policy=lru fraction=0.2"``: the settings that are set."""
+    return " ".join(f"{k}={v}" for k, v in values.items() if v is not None)
+
+
 def load_model_state(path: str | Path, model: torch.nn.Module) -> dict[str, Any]:
     """Load only the model (dense layers and embeddings) from a checkpoint; return meta.
 
     Raises:
         ValueError: if the checkpoint's tensors do not fit the model.
     """
-    data = read_checkpoint(path)
+    data = read_checkpoint(path, prefixes=("model.", "embedding."))
     if "sharding" in data.meta:
         raise ValueError(
             f"{path} holds tables sharded over {data.meta['sharding']['world_size']} ranks; "

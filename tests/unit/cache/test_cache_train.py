@@ -155,7 +155,7 @@ def test_a_resume_with_other_cache_settings_is_refused_by_name(tmp_path, changed
     extra = [changed] if "bytes" not in changed else [changed, "model.cache.fraction=none"]
     with pytest.raises(
         ValueError,
-        match=r"cached its tables with model\.cache policy=lru fraction=0\.2, this run has",
+        match=r"^resume: .* cached its tables with model\.cache policy=lru fraction=0\.2, not ",
     ):
         train(tiny(tmp_path, "a", "train.steps=4", *extra), resume=True)
 
