@@ -22,8 +22,10 @@ picks columns by name; other columns are not converted. Values are read as follo
   dropped, so an empty field is an empty bag.
 
 Fields may be quoted with ``"`` (``"a,b"`` is the value ``a,b``; a doubled quote
-inside quotes is one quote); a field never spans lines: a quote left open ends at the
-end of its line.
+inside quotes is one quote); a quote counts only at the start of a field (``ab"c`` is
+the value ``ab"c``). A field never spans lines: a quote left open ends at the end of its
+line (``_close_open_quotes``), so ``1,"a`` is the row ``1``, ``a`` and the next line is
+a row of its own.
 
 Parsing is block-wise (16 MiB of whole lines through pyarrow's CSV reader, label and
 values checked with vectorized numpy). In a block that fails (a wrong number of
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import re
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -94,6 +97,7 @@ class _FilePlan:
         # The mapped columns in file order: a bad line names the first bad one.
         self.used = tuple(c for c in self.names if c in mapping.columns)
         self.parse_options = _parse_options(csv.delimiter)
+        self.open_quote = _open_quote_pattern(csv.delimiter)
         types = {mapping.label_column: pa.string()}
         types.update(dict.fromkeys(mapping.dense_columns, pa.float64()))
         types.update(dict.fromkeys(mapping.sparse_columns, pa.string()))
@@ -106,6 +110,7 @@ class _FilePlan:
         invalid_row: Callable[[object], str] | None = None,
     ) -> pa.Table:
         """``data`` (whole lines, the last without its newline) through pyarrow."""
+        data = _close_open_quotes(data, self.open_quote)
         skip = 0
         if data.startswith(_BOM):  # pyarrow drops a BOM at the start of its input
             data, skip = b"\n" + data, 1
@@ -134,6 +139,66 @@ class _FilePlan:
             if "straddl" not in str(e) or len(data) < _LONG_LINE_BYTES:
                 raise
             return read(len(data) + 1)
+
+
+def _open_quote_pattern(delimiter: str) -> re.Pattern[bytes]:
+    """A pattern matching a line (no newline) whose last field leaves a quote open.
+
+    As pyarrow's parser reads fields: a field is quoted when it starts with ``"``;
+    inside, ``""`` is a quote and a lone ``"`` closes it, after which the rest of the
+    field up to the delimiter is literal text (quotes too); a field not starting with
+    ``"`` is literal text. The groups are atomic and the repeats possessive, so each
+    line is matched in one pass.
+    """
+    d = re.escape(delimiter.encode())
+    quoted = rb'"(?:[^"\n]|"")*+"[^' + d + rb"\n]*+"
+    literal = rb'[^"' + d + rb"\n][^" + d + rb"\n]*+"
+    return re.compile(rb"(?:(?>" + quoted + b"|" + literal + rb"|)" + d + rb')*+"(?:[^"\n]|"")*+')
+
+
+def _close_open_quotes(data: bytes, open_quote: re.Pattern[bytes]) -> bytes:
+    r"""``data`` (lines) with a ``"`` added at the end of each line that leaves one open.
+
+        pyarrow's parser carries an open quote over the newline into the next line (even
+        with ``newlines_in_values=False``): the rows are then not the lines, and together
+        with a lone ``"
+    "`` (which ends a row in pyarrow) elsewhere in a block, the count
+        of rows can still match the count of lines. Closed here, a line's row is what
+        pyarrow reads from that line alone, wherever blocks end.
+
+        Vectorized: only lines with an odd number of quotes can leave one open, unless a
+        field holds a literal quote (``ab"c``); those are matched with ``open_quote``
+        one by one. A line with an even number is matched too when ``data`` has a lone
+        ``"
+    "``; otherwise one left open makes fewer rows than lines, which the callers'
+        count of rows finds.
+    """
+    if b'"' not in data:
+        return data
+    buf = np.frombuffer(data, dtype=np.uint8)
+    newlines = np.flatnonzero(buf == ord("\n"))
+    starts = np.concatenate(([0], newlines + 1))
+    ends = np.concatenate((newlines, [len(data)]))
+    if starts[-1] == len(data):  # an empty last line: no quote in it
+        starts, ends = starts[:-1], ends[:-1]
+    is_quote = (buf == ord('"')).view(np.uint8)
+    lone_cr = False
+    if b"\r" in data:
+        cr = np.flatnonzero(buf[:-1] == ord("\r"))
+        lone_cr = bool((buf[cr + 1] != ord("\n")).any())
+    # per line: any quote (with a lone "\r"), else an odd number of them
+    reduce = np.bitwise_or if lone_cr else np.bitwise_xor
+    candidates = np.flatnonzero(reduce.reduceat(is_quote, starts))
+    parts, done = [], 0
+    for i in candidates.tolist():
+        start, end = int(starts[i]), int(ends[i])
+        if open_quote.fullmatch(data, start, end) is not None:
+            parts += [data[done:end], b'"']
+            done = end
+    if not parts:
+        return data
+    parts.append(data[done:])
+    return b"".join(parts)
 
 
 def _parse_options(
