@@ -55,6 +55,7 @@ import dataclasses
 import enum
 import fractions
 import math
+import re
 import tomllib
 import types
 import typing
@@ -820,15 +821,21 @@ def _dataclass_of(hint: Any) -> type[DataclassInstance] | None:
     return None
 
 
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
 def _parse_text(text: str, hint: Any, where: str) -> Any:
     """Parse an override's text for the field ``where`` of type ``hint``.
 
     The first reading that converts to the field's type wins, in this order:
 
-    1. ``none`` or ``null`` (any case) for a field that may be ``None``;
+    1. ``none`` or ``null`` (any case) for a field that may be ``None``, and for a list
+       field the empty list (so does an empty text: ``data.eval_path=none``,
+       ``data.dense_columns=``);
     2. the text as a TOML value (``10``, ``1e-3``, ``true``, ``[64, 16]``, ``"out/ck"``);
        a TOML string for a list field is a one-item list;
-    3. the bare text (``out/ck``, ``adam``, or ``123`` for a ``str`` field);
+    3. for a float field, a decimal TOML refuses (``.5``, ``5.``); then the bare text
+       (``out/ck``, ``adam``, or ``123`` for a ``str`` field);
     4. for a list field, comma-separated items (``64,16``), each parsed the same way.
 
     When none converts, the TOML reading (else the bare text; for a list field written
@@ -837,8 +844,13 @@ def _parse_text(text: str, hint: Any, where: str) -> Any:
     """
     union = typing.get_origin(hint) in (typing.Union, types.UnionType)
     arms = typing.get_args(hint) if union else (hint,)
-    if type(None) in arms and text.lower() in ("none", "null"):
-        return None
+    if text.lower() in ("none", "null"):
+        if type(None) in arms:
+            return None
+        if typing.get_origin(hint) is tuple:  # a list field: none is the empty list
+            return []
+    if not text.strip() and typing.get_origin(hint) is tuple:  # data.dense_columns=
+        return []
     candidates: list[Any] = []
     try:
         value = tomllib.loads(f"v = {text}")["v"]
@@ -848,6 +860,8 @@ def _parse_text(text: str, hint: Any, where: str) -> Any:
         candidates.append(value)
         if isinstance(value, str):
             candidates.append([value])
+    if float in arms and _DECIMAL.fullmatch(text):  # ".5" and "5." are not TOML floats
+        candidates.append(float(text))
     candidates.append(text)
     listed = None
     for arm in arms:

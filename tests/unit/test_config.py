@@ -12,6 +12,7 @@ from tetrarec.config import (
     RunConfig,
     TrainConfig,
 )
+from tetrarec.data import BadLinePolicy, DataSource, DenseKind
 from tetrarec.types import OptimizerKind, Placement, ShardingType
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
@@ -127,6 +128,8 @@ def test_overrides_parse_with_field_types() -> None:
         ("model.placement=foo", r"^model\.placement: 'foo' is not one of [a-z, ]*$"),
         ("model.placement=[host, foo]", r"^model\.placement\[1\]: 'foo' is not one of"),
         ("model.dlrm.bottom_mlp=[64, x]", r"^model\.dlrm\.bottom_mlp\[1\]: expected int, got 'x'$"),
+        ('data.eval_path=["a.tsv", ""]', r"eval_path has an empty entry"),
+        ("data.dense_columns=a,,b", r"dense_columns has an empty entry"),
     ],
 )
 def test_override_errors(override: str, match: str) -> None:
@@ -178,6 +181,24 @@ FIELD_KINDS = [
         (ShardingType.ROW_WISE, ShardingType.DATA_PARALLEL),
     ),
     (["sharding.type=row_wise"], "sharding.type", ShardingType.ROW_WISE),  # the enum arm
+    # bugs caught: ".5" refused for a float, "none" and "" read as a path or column named
+    # so, and the data section's choices refused in capitals that the others took
+    (["optim.dense_lr=.5"], "optim.dense_lr", 0.5),
+    (["optim.dense_lr=5."], "optim.dense_lr", 5.0),
+    (["data.eval_path=a.tsv", "data.eval_path=none"], "data.eval_path", ()),
+    (["data.eval_path=a.tsv", "data.eval_path="], "data.eval_path", ()),
+    (["data.on_bad_line=Skip"], "data.on_bad_line", BadLinePolicy.SKIP),
+    (["data.dense_transform=LOG1P"], "data.dense_transform", DenseKind.LOG1P),
+    (
+        [
+            "data.source=CSV",
+            "data.train_path=a.csv",
+            "data.sparse_columns=C1",
+            "model.num_sparse=1",
+        ],
+        "data.source",
+        DataSource.CSV,
+    ),
     (["model.num_embeddings=1000"], "model.num_embeddings", 1000),  # int | tuple: int
     (
         ["model.num_sparse=2", "model.num_embeddings=[5, 6]"],  # int | tuple: tuple

@@ -31,9 +31,13 @@ _Choice = TypeVar("_Choice", bound=enum.StrEnum)
 
 
 def _parse_choice(cls: type[_Choice], value: str | _Choice, what: str) -> _Choice:
-    """The member of ``cls`` named ``value``; a ValueError listing the valid ones if none."""
+    """The member of ``cls`` named ``value``, in any case as every config choice is.
+
+    Raises:
+        ValueError: listing the valid ones, if none is named so.
+    """
     try:
-        return cls(value)
+        return cls(value.lower() if isinstance(value, str) else value)
     except ValueError:
         valid = ", ".join(repr(m.value) for m in cls)
         raise ValueError(f"{what} must be one of {valid}, got {value!r}") from None
@@ -120,6 +124,7 @@ def _dense_kinds(value: object) -> DenseKind | tuple[DenseKind, ...] | str:
     if isinstance(value, str) and ("," in value or value.startswith("[")):
         value = [v.strip().strip("\"'") for v in value.strip("[]").split(",") if v.strip()]
     if isinstance(value, str):
+        value = value.lower()
         if value in (AUTO_DENSE, *DenseKind):
             return AUTO_DENSE if value == AUTO_DENSE else DenseKind(value)
         valid = ", ".join(repr(m.value) for m in DenseKind)
@@ -417,6 +422,9 @@ class DataConfig:
         object.__setattr__(self, "on_bad_line", BadLinePolicy.parse(self.on_bad_line))
         for name in ("train_path", "eval_path", "dense_columns", "sparse_columns"):
             object.__setattr__(self, name, _as_tuple(getattr(self, name)))
+        for name in ("train_path", "eval_path", "dense_columns", "sparse_columns"):
+            if "" in getattr(self, name):
+                raise ValueError(f"DataConfig.{name} has an empty entry: {getattr(self, name)}")
         for name in ("train_path", "eval_path"):
             object.__setattr__(self, name, tuple(map(os.path.expanduser, getattr(self, name))))
         object.__setattr__(self, "train_rows", _check_rows("train_rows", self.train_rows))
