@@ -15,7 +15,8 @@ The DLRM's figure is its best checkpoint on the evaluation rows (``train.keep_be
 while the regression's C is chosen on the training rows. For transparency, the
 regression's row also holds ``eval_by_c`` (each C of the grid fitted on all the training
 rows and evaluated) and ``C_chosen_on_eval``, printed as the reference row "logreg, C
-chosen on eval rows": the same selection keep_best makes, never used for the bar.
+chosen on eval rows": the same selection keep_best makes (by the DLRM recipe's
+``keep_best`` metric, log loss without one), never used for the bar.
 
     tetrarec bench quality [--recipes criteo_kaggle avazu] [--seeds 3] [--json PATH]
     python benchmarks/bench_quality.py --smoke      # a few steps each, C=0.1: seconds
@@ -48,7 +49,7 @@ from _harness import (
 )
 from _logreg import C_GRID, Features, features_of, fit_each_c, tune_logreg
 
-from tetrarec.config import RunConfig
+from tetrarec.config import BestMetric, RunConfig
 from tetrarec.data import build_datasets
 from tetrarec.train import Metrics, build_tables, train
 
@@ -238,21 +239,30 @@ def _meets(m: Metrics, lr: Metrics) -> bool:
 
 
 def logreg_rows(
-    recipe: str, train_f: Features, eval_f: Features, grid: list[float], valid_fraction: float
+    recipe: str,
+    train_f: Features,
+    eval_f: Features,
+    grid: list[float],
+    valid_fraction: float,
+    keep_best: BestMetric | None,
 ) -> tuple[Metrics, dict[str, Any], dict[str, Any]]:
     """The tuned regression's evaluation metrics, its result row and the printed
     reference row of the C that is best on the evaluation rows.
 
     The result row holds ``eval_by_c`` (every C of ``grid`` fitted on all the training
     rows, as the tuned fit is, and evaluated) and ``C_chosen_on_eval``: the selection
-    ``train.keep_best`` makes for the DLRM's figure, shown for reference, never the bar.
+    ``train.keep_best`` makes for the DLRM's figure (by ``keep_best``'s metric; log
+    loss when it is ``None``), shown for reference, never the bar.
     """
     t0 = time.perf_counter()
     tuned = tune_logreg(train_f, grid=grid, valid_fraction=valid_fraction)
     lr = tuned.fit.metrics(eval_f)
     wall_s = round(time.perf_counter() - t0, 1)
     by_c = {c: fit.metrics(eval_f) for c, fit in fit_each_c(train_f, grid, tuned).items()}
-    on_eval = min(grid, key=lambda c: (by_c[c].log_loss, c))
+    if keep_best is BestMetric.AUC:
+        on_eval = min(grid, key=lambda c: (-by_c[c].auc, c))
+    else:
+        on_eval = min(grid, key=lambda c: (by_c[c].log_loss, c))
     eval_by_c = [
         {
             "C": c,
@@ -332,7 +342,9 @@ def _recipe_rows(
     table_rows = config.model.table_rows
     train_f, eval_f = features_of(train_ds, table_rows), features_of(eval_ds, table_rows)
     read_s = time.perf_counter() - t0
-    lr, row, reference = logreg_rows(recipe.name, train_f, eval_f, args.grid, args.valid_fraction)
+    lr, row, reference = logreg_rows(
+        recipe.name, train_f, eval_f, args.grid, args.valid_fraction, config.train.keep_best
+    )
     row["wall_s"] = round(row["wall_s"] + read_s, 1)
     return [row, reference, *(model_row(recipe.name, m, runs, lr) for m, runs in trained.items())]
 
@@ -379,10 +391,11 @@ def main(argv: list[str] | None = None) -> None:
         "training rows"
     )
     print(
-        f"{ON_EVAL}: the grid's C with the best log loss on the evaluation rows, each C "
-        "fitted on all the training rows; the same selection train.keep_best makes for "
-        "the DLRM's figure (its best checkpoint on those rows). A reference only: the "
-        "bar is the regression whose C the training rows chose."
+        f"{ON_EVAL}: the grid's C that is best on the evaluation rows by the DLRM "
+        "recipe's train.keep_best metric (AUC or log loss), each C fitted on all the "
+        "training rows; the same selection keep_best makes for the DLRM's figure (its "
+        "best checkpoint on those rows). A reference only: the bar is the regression "
+        "whose C the training rows chose."
     )
     write_json(
         args.json,

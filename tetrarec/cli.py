@@ -261,6 +261,13 @@ def _preprocess(args: argparse.Namespace) -> int:
     if args.input:
         overrides.append(f"data.train_path={_toml_strings([str(p) for p in args.input])}")
     data = RunConfig.from_toml(args.config, overrides).data
+    if not data.sparse_columns:
+        other = f" (its data.source is {data.source.value!r})" if data.source != args.format else ""
+        raise ValueError(
+            f"preprocess {args.format} reads the columns that the config maps, and "
+            f"{args.config}{other} maps none: set data.sparse_columns, data.label_column "
+            "and data.dense_columns"
+        )
     summary = preprocess_to_parquet(
         data.train_path,
         args.output,

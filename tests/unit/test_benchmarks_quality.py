@@ -244,7 +244,7 @@ class _FakeRuns:
         config = SimpleNamespace(
             data="same data",
             model=SimpleNamespace(table_rows=[7, 5]),
-            train=SimpleNamespace(seed=7 + seed_offset),
+            train=SimpleNamespace(seed=7 + seed_offset, keep_best=None),
         )
         return config, {
             "metrics": self.per_seed[seed_offset],
@@ -388,3 +388,30 @@ def test_report_shows_each_cs_evaluation_and_the_c_best_on_the_eval_rows(
     reference = next(ln for ln in printed.splitlines() if bench.ON_EVAL in ln)
     assert f"{expected[on_eval].auc:.4f}" in reference
     assert "A reference only: the bar is the regression whose C" in printed
+
+
+@pytest.mark.parametrize("keep_best", ["auc", "log_loss", None])
+def test_the_reference_c_is_chosen_by_the_recipes_keep_best_metric(keep_best) -> None:
+    """Bug caught: the reference row said it made "the same selection train.keep_best
+    makes", but chose C by log loss also for the recipes that keep their best
+    checkpoint by AUC (the Criteo Kaggle ones). The data here are chosen so that the
+    two metrics pick different Cs (3.0 by AUC, 0.3 by log loss)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from _logreg import fit_logreg
+    finally:
+        sys.path.remove(str(BENCH))
+    bench = _bench_quality()
+    train_f, eval_f = _design_problem(0, 400), _design_problem(2, 300)
+    grid = [0.03, 0.1, 0.3, 1.0, 3.0]
+    metric = None if keep_best is None else bench.BestMetric(keep_best)
+    _, row, reference = bench.logreg_rows("r", train_f, eval_f, grid, 0.2, metric)
+    by_c = {c: fit_logreg(train_f, c).metrics(eval_f) for c in grid}
+    want = (
+        max(grid, key=lambda c: by_c[c].auc)
+        if keep_best == "auc"
+        else min(grid, key=lambda c: by_c[c].log_loss)
+    )
+    assert want == (3.0 if keep_best == "auc" else 0.3)
+    assert row["C_chosen_on_eval"] == reference["C"] == want
+    assert reference["auc"] == pytest.approx(by_c[want].auc, abs=1e-4)

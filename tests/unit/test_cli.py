@@ -180,6 +180,20 @@ def _criteo_line(label: int, dense: list[int], cats: list[int]) -> str:
     return "\t".join([str(label), *map(str, dense), *(f"{c:08x}" for c in cats)])
 
 
+def test_preprocess_csv_with_a_config_that_maps_no_columns(capsys, tmp_path) -> None:
+    """Bug caught: ``preprocess csv`` with a Criteo recipe's config failed on
+    "ColumnMapping.sparse_columns must name at least one column", a class the user
+    never wrote; the error names the config, its source and the keys to set."""
+    raw = tmp_path / "a.csv"
+    raw.write_text("y,s\n1,a\n")
+    config = REPO / "examples" / "criteo_kaggle_sample.toml"
+    argv = ["-q", "preprocess", "csv", "--config", str(config), "--input", str(raw)]
+    assert main([*argv, "--output", str(tmp_path / "out.parquet"), "--no-progress"]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert "(its data.source is 'criteo') maps none: set data.sparse_columns" in err
+    assert "ColumnMapping" not in err
+
+
 def test_preprocess_criteo_writes_the_rows_it_reports(capsys, tmp_path) -> None:
     """The printed row counts are those written, and the columns hold the lines' values
     (a preprocess that reported rows it did not write, or wrote them wrong, fails)."""

@@ -141,6 +141,11 @@ def _split_one_input(base: Dataset, config: DataConfig) -> tuple[Dataset, Datase
             eval_rows = (train_rows[1], n)  # the rows after the training rows
         else:
             cut = n - max(1, n // _HOLDOUT)
+            if cut < 1:
+                raise ValueError(
+                    f"the input has {n} row(s): too few to hold some out for evaluation; "
+                    "give more rows, data.eval_path or data.eval_rows"
+                )
             train_rows, eval_rows = (0, cut), (cut, n)
             logger.info(
                 "no eval_path or eval_rows: training on rows %s, evaluating on rows %s",

@@ -113,6 +113,16 @@ def test_criteo_source_row_ranges_and_holdout(tmp_path, caplog):
         )
     with pytest.raises(ValueError, match="26 sparse features but the tables have 3"):
         build_datasets(DataConfig(source="criteo", train_path=(str(f),)), TABLES[:3])
+    # Bug caught: a one-row input with nothing held out failed on "data.train_rows [0, 0)
+    # is not inside the 1 rows", a key the run never set.
+    one = criteo_file(tmp_path / "one.gz", 1)
+    with pytest.raises(ValueError, match=r"has 1 row\(s\): too few to hold some out") as e:
+        build_datasets(DataConfig(source="criteo", train_path=(str(one),)), TABLES)
+    assert "train_rows" not in str(e.value)
+    train, held = build_datasets(
+        DataConfig(source="criteo", train_path=(str(criteo_file(tmp_path / "two.gz", 2)),)), TABLES
+    )
+    assert (train.num_samples, held.num_samples) == (1, 1)
 
 
 def test_criteo_skip_is_summarized(tmp_path, caplog):
