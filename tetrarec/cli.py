@@ -262,7 +262,7 @@ def _preprocess(args: argparse.Namespace) -> int:
         overrides.append(f"data.train_path={_toml_strings([str(p) for p in args.input])}")
     data = RunConfig.from_toml(args.config, overrides).data
     if not data.sparse_columns:
-        other = f" (its data.source is {data.source.value!r})" if data.source != args.format else ""
+        other = f" (its data.source is {str(data.source)!r})" if data.source != args.format else ""
         raise ValueError(
             f"preprocess {args.format} reads the columns that the config maps, and "
             f"{args.config}{other} maps none: set data.sparse_columns, data.label_column "
