@@ -8,7 +8,7 @@ columns may be dictionary-encoded, as a pandas categorical is). A sparse column 
 hold:
 
 - integers: one id per row, the value itself; null -> the raw value 0 as in Criteo;
-- strings (string, large_string, binary or dictionary<string>): one id per row,
+- strings (string, large_string, string_view, binary or dictionary<string>): one id per row,
   ``hash_strings`` of the value's bytes; null and ``""`` -> the raw value 0;
 - lists of either (list or large_list): a multi-hot bag per row; a null list is an
   empty bag, a null item is the raw value 0.
@@ -169,6 +169,33 @@ def _bags(col: pa.ChunkedArray, path: Path, name: str) -> tuple[np.ndarray, np.n
     )
 
 
+def _without_views(t: pa.DataType) -> pa.DataType:
+    """``t`` with its string and binary views made large strings and binaries.
+
+    Arrow's view layouts (``string_view``, what Polars writes) hold the same values; not
+    every pyarrow kernel takes them (``is_in``, for one), so columns are read as the
+    classic layouts. pyarrow before 16 has no views.
+    """
+    if getattr(pa.types, "is_string_view", lambda _: False)(t):
+        return pa.large_string()
+    if getattr(pa.types, "is_binary_view", lambda _: False)(t):
+        return pa.large_binary()
+    if pa.types.is_dictionary(t):
+        return pa.dictionary(t.index_type, _without_views(t.value_type))
+    if pa.types.is_list(t):
+        return pa.list_(_without_views(t.value_type))
+    if pa.types.is_large_list(t):
+        return pa.large_list(_without_views(t.value_type))
+    return t
+
+
+def _column(table: pa.Table, name: str) -> pa.ChunkedArray:
+    """Column ``name`` of ``table``, views cast to the classic layouts."""
+    col = table.column(name)
+    plain = _without_views(col.type)
+    return col if plain == col.type else col.cast(plain)
+
+
 def _columns_of_table(
     table: pa.Table, mapping: ColumnMapping, path: Path, first_row: int = 0
 ) -> MultiHotColumns:
@@ -177,6 +204,7 @@ def _columns_of_table(
     Raises:
         DataError: for a mistyped column or a bad label, naming the file, row and column.
     """
+    table = pa.table({name: _column(table, name) for name in mapping.columns})
     labels = _labels(table.column(mapping.label_column), path, mapping.label_column, first_row)
     dense = np.zeros((table.num_rows, len(mapping.dense_columns)), dtype=np.float32)
     for i, name in enumerate(mapping.dense_columns):

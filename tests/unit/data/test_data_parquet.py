@@ -317,6 +317,28 @@ def test_every_text_type_is_hashed_as_its_bytes(tmp_path, kind):
     assert cols.multi_hot == (False,)
 
 
+@pytest.mark.skipif(not hasattr(pa, "string_view"), reason="pyarrow before 16 has no views")
+def test_string_view_columns_read_as_the_plain_strings(tmp_path):
+    """Bug caught: a ``string_view`` column (what Polars, or pyarrow's own view layout,
+    writes) was refused ("expected an integer, string or list... got string_view"), as a
+    label too; its values, in a list or not, are now those of the plain strings."""
+    values = ["ab", None, "", "ab"]
+    p = write(
+        tmp_path / "a.parquet",
+        y=pa.array(["0", "1", "0", "1"], pa.string_view()),
+        d=[1, 2, 3, 4],
+        s=pa.array(values, pa.string_view()),
+        b=pa.array([b"x", None, b"", b"x"], pa.binary_view()),
+        m=pa.array([["a", None], None, [], ["ab"]], pa.list_(pa.string_view())),
+    )
+    cols = read_parquet([p], mapping(sparse=("s", "b", "m")))
+    assert cols.labels.tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert cols.ids[0].tolist() == hash_strings(values).tolist()
+    assert cols.ids[1].tolist() == hash_strings([b"x", None, b"", b"x"]).tolist()
+    assert cols.ids[2].tolist() == hash_strings(["a", None, "ab"]).tolist()
+    assert cols.offsets[2].tolist() == [0, 2, 2, 2, 3]
+
+
 def test_row_groups_with_different_int8_dictionaries_read_as_the_plain_strings(tmp_path):
     """Two row groups, each with its own int8 dictionary of 100 strings (200 distinct in
     all) and a null: the ids are those of a plain-string copy, read whole (train) or by
