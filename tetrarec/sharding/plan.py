@@ -31,13 +31,23 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from tetrarec import jsonio
 from tetrarec.embedding import TableConfig
 from tetrarec.types import Placement, Precision, ShardingType
 
 __all__ = ["Shard", "ShardingPlan", "TablePlacement", "TablePlan"]
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    """A JSON integer: not a float (``1.9`` is no rank), a string or a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_bounds(value: object) -> TypeGuard[list[int]]:
+    """``[a, b]``: exactly two JSON integers."""
+    return isinstance(value, list) and len(value) == 2 and all(_is_int(v) for v in value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,15 +79,13 @@ class Shard:
         Raises:
             ValueError: on missing keys or malformed ranges.
         """
-        try:
-            rows, cols = d["rows"], d["cols"]
-            shard = Shard(
-                rank=int(d["rank"]),
-                rows=(int(rows[0]), int(rows[1])),
-                cols=(int(cols[0]), int(cols[1])),
-            )
-        except (KeyError, IndexError, TypeError, ValueError) as e:
-            raise ValueError(f"bad shard {d!r}: needs rank, rows [a, b], cols [a, b]") from e
+        bad = ValueError(f"bad shard {d!r}: needs rank, rows [a, b], cols [a, b] (integers)")
+        if not isinstance(d, dict):
+            raise bad
+        rows, cols = d.get("rows"), d.get("cols")
+        if not (_is_int(d.get("rank")) and _is_bounds(rows) and _is_bounds(cols)):
+            raise bad
+        shard = Shard(rank=d["rank"], rows=(rows[0], rows[1]), cols=(cols[0], cols[1]))
         if not (0 <= shard.rows[0] < shard.rows[1] and 0 <= shard.cols[0] < shard.cols[1]):
             raise ValueError(f"shard {d!r} has an empty or negative row or column range")
         return shard
@@ -129,6 +137,8 @@ class TablePlacement:
         Raises:
             ValueError: on a missing or bad value.
         """
+        if not isinstance(d, dict):
+            raise ValueError(f"bad placement {d!r}: needs placement and precision")
         try:
             return TablePlacement(
                 placement=Placement.parse(d["placement"]),
@@ -269,11 +279,20 @@ class ShardingPlan:
         Raises:
             ValueError: on malformed values (the message names the table).
         """
+        if not isinstance(d, dict) or not isinstance(d.get("tables", []), list):
+            raise ValueError(
+                'sharding plan: expected an object {"world_size": N, "tables": [...]}, got '
+                f"{type(d).__name__ if not isinstance(d, dict) else 'tables ' + repr(d['tables'])}"
+            )
         tables = []
         for entry in d.get("tables", []):
+            if not isinstance(entry, dict):
+                raise ValueError(f"sharding plan: a table entry must be an object, got {entry!r}")
             name = entry.get("table", "?")
             try:
                 sharding = ShardingType.parse(entry["sharding"])
+                if not isinstance(entry["shards"], list):
+                    raise ValueError(f"shards must be a list, got {entry['shards']!r}")
                 shards = tuple(Shard.from_dict(s) for s in entry["shards"])
                 placement = (
                     TablePlacement.from_dict(entry["placement"]) if "placement" in entry else None
@@ -283,10 +302,12 @@ class ShardingPlan:
             tables.append(
                 TablePlan(table=str(name), sharding=sharding, shards=shards, placement=placement)
             )
-        try:
-            world, local = int(d["world_size"]), int(d.get("local_world_size", d["world_size"]))
-        except (KeyError, ValueError) as e:
-            raise ValueError(f"sharding plan: bad or missing world_size ({e})") from e
+        world, local = d.get("world_size"), d.get("local_world_size", d.get("world_size"))
+        if not (_is_int(world) and _is_int(local)):
+            raise ValueError(
+                f"sharding plan: world_size and local_world_size must be integers, got "
+                f"{world!r} and {local!r}"
+            )
         return ShardingPlan(world_size=world, local_world_size=local, tables=tuple(tables))
 
     def to_json(self) -> str:

@@ -203,11 +203,15 @@ def read_rank_tensors(path: str | Path, rank: int) -> dict[str, torch.Tensor]:
 
     Raises:
         FileNotFoundError: if the checkpoint has no file for that rank.
+        ValueError: if that file is damaged (naming it).
     """
     file = Path(path) / rank_file(rank)
     if not file.is_file():
         raise FileNotFoundError(f"{path} has no {rank_file(rank)} (written by another world?)")
-    return load_file(str(file))
+    try:
+        return load_file(str(file))
+    except SafetensorError as e:
+        raise ValueError(f"{file}: damaged checkpoint tensors ({e})") from e
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:

@@ -123,6 +123,84 @@ def test_missing_and_unknown_tables_and_bad_json(tmp_path):
         ShardingPlan.load(path)
 
 
+def _plan_dict_with(change) -> object:
+    d = plan_by_type(TABLES, ShardingType.ROW_WISE, world_size=2).to_dict()
+    return change(d)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda d: d["tables"], r"expected an object .* got list"),
+        (lambda d: {**d, "tables": {"big": 1}}, r"expected an object .* got tables \{"),
+        (lambda d: {**d, "tables": ["big"]}, r"a table entry must be an object, got 'big'"),
+        (lambda d: {**d, "world_size": None}, r"world_size .* must be integers, got None"),
+        (lambda d: {**d, "world_size": 2.7}, r"world_size .* must be integers, got 2\.7"),
+        (lambda d: {**d, "world_size": "2"}, r"world_size .* must be integers, got '2'"),
+        (lambda d: {**d, "tables": [{**d["tables"][0], "shards": None}]}, r"shards must be a list"),
+        (
+            lambda d: {
+                **d,
+                "tables": [
+                    {
+                        **d["tables"][0],
+                        "shards": [
+                            {
+                                "rank": 1.9,
+                                **{
+                                    k: v
+                                    for k, v in d["tables"][0]["shards"][0].items()
+                                    if k != "rank"
+                                },
+                            }
+                        ],
+                    }
+                ],
+            },
+            r"bad shard .*rank.*integers",
+        ),
+        (
+            lambda d: {
+                **d,
+                "tables": [
+                    {
+                        **d["tables"][0],
+                        "shards": [{**d["tables"][0]["shards"][0], "rows": [0, 5, 9]}],
+                    }
+                ],
+            },
+            r"bad shard .*rows \[a, b\]",
+        ),
+        (
+            lambda d: {**d, "tables": [{**d["tables"][0], "placement": "host"}]},
+            r"bad placement 'host'",
+        ),
+    ],
+    ids=[
+        "list",
+        "tables-object",
+        "entry-string",
+        "world-null",
+        "world-float",
+        "world-string",
+        "shards-null",
+        "rank-float",
+        "three-bounds",
+        "placement-string",
+    ],
+)
+def test_a_malformed_plan_file_is_a_value_error_naming_it(tmp_path, change, match):
+    """Bugs caught: a plan file of the wrong JSON shape crashed every rank with a
+    traceback (AttributeError: 'list' object has no attribute 'get', TypeError on a
+    null world_size or shards), and a rank 1.9, a world_size 2.7 or "2" and a third row
+    bound were truncated or dropped silently."""
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_plan_dict_with(change)))
+    with pytest.raises(ValueError, match=match) as e:
+        ShardingPlan.load(path)
+    assert str(e.value).startswith(f"{path}: ")
+
+
 def test_fingerprint_changes_with_any_shard():
     a = plan_by_type(TABLES, ShardingType.ROW_WISE, world_size=2)
     b = plan_by_type(TABLES, ShardingType.ROW_WISE, world_size=3)

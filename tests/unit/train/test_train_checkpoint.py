@@ -212,6 +212,22 @@ def test_damaged_checkpoint_is_a_value_error_naming_the_file(tmp_path, damage) -
         read_checkpoint(path)
 
 
+def test_a_damaged_rank_file_is_a_value_error_naming_it(tmp_path) -> None:
+    """Bug caught: a truncated ``rank_00001.safetensors`` gave rank 1 safetensors' own
+    traceback on ``--resume``; it now names the file, as the one-file checkpoint does."""
+    from safetensors.torch import save_file
+
+    from tetrarec.train.checkpoint import rank_file, read_rank_tensors
+
+    path = write_checkpoint(tmp_path, _data(3))
+    target = path / rank_file(1)
+    save_file({"w": torch.ones(100)}, str(target))
+    assert read_rank_tensors(path, 1)["w"].sum() == 100
+    target.write_bytes(target.read_bytes()[:100])
+    with pytest.raises(ValueError, match=re.escape(str(target)) + ": damaged checkpoint tensors"):
+        read_rank_tensors(path, 1)
+
+
 @pytest.mark.parametrize(
     ("change", "problem"),
     [
