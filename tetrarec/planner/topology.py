@@ -96,7 +96,7 @@ class RankResources:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
                 raise ValueError(f"topology rank.{f.name} must be a number >= 0, got {value!r}")
             object.__setattr__(self, f.name, float(value))
         for tier in TIER_ORDER:
@@ -175,7 +175,7 @@ class Topology:
             raise ValueError(f"topology cores_per_node must be an integer >= 0, got {cores!r}")
         for f in ("collective_latency_s", "intra_node_bandwidth", "inter_node_bandwidth"):
             value = getattr(self, f)
-            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
                 raise ValueError(f"topology {f} must be a number >= 0, got {value!r}")
             object.__setattr__(self, f, float(value))
         if self.world_size > 1 and self.intra_node_bandwidth <= 0 and self.ranks_per_node > 1:

@@ -56,6 +56,13 @@ def test_load_and_bad_fields_are_named(tmp_path: Path) -> None:
         Topology.load(path)
     with pytest.raises(ValueError, match="zionex-16x8"):
         Topology.preset("nope")
+    # Bug caught: nan passed the ">= 0" checks (a comparison with nan is false), and the
+    # planner then printed a step of "nan ms" and put every table on rank 0.
+    for key in ("host_bandwidth = 1e10", "collective_latency_s = "):
+        line = next(ln for ln in GOOD.splitlines() if ln.startswith(key))
+        path.write_text(GOOD.replace(line, f"{line.split('=')[0]}= nan"))
+        with pytest.raises(ValueError, match=rf"{line.split()[0]} must be a number >= 0, got nan"):
+            Topology.load(path)
 
 
 def test_resized_keeps_whole_nodes_or_one_partial_node() -> None:
