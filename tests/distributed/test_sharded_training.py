@@ -336,6 +336,21 @@ def test_the_cache_counters_of_a_sharded_run_sum_every_ranks_shards(two_ranks):
         assert res["cache"] == ref, (rank, res["cache"], ref)
 
 
+@pytest.mark.parametrize(("name", "extra"), [("cached", CACHED), ("cached_dp", CACHED_DP)])
+def test_replicas_and_column_blocks_count_their_tables_lookups_once(two_ranks, name, extra):
+    """Bug caught: the summary's cache counters summed every rank's shards, so a
+    data-parallel table (each replica sees the global batch) and a column-wise table
+    (each column block sees every id) were counted once per replica or block: twice the
+    hits, misses, slots and occupied slots of one process on 2 ranks. Only the lowest
+    rank's replica and the first column block count now."""
+    results, _ = two_ranks
+    assert all(r["ok"] for r in results[name]), results[name]
+    ref = one_process(*extra)["cache"]
+    assert ref["hits"] > 0
+    for rank, res in enumerate(results[name]):
+        assert res["cache"] == ref, (rank, res["cache"], ref)
+
+
 def test_a_byte_budget_is_shared_by_the_tables_as_in_one_process(two_ranks):
     """``model.cache.bytes`` under torchrun was applied again by every rank and every
     sharding group (each rank's shards got the whole budget: twice the slots in all,

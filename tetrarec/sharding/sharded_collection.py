@@ -204,6 +204,30 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 out.update(local.cache_stats())
         return out
 
+    def counted_cache_stats(self) -> dict[str, CacheStats]:
+        """``cache_stats`` of the shards that count their rows' lookups for the world.
+
+        Summed over the ranks, these give each table's lookups once, as one process
+        counts them: a data-parallel table's replicas each see the global batch, and a
+        column block looks up every row of the table for its columns, so only the
+        replica on the lowest rank and the first column block (``cols[0] == 0``) of a
+        row range count. Row blocks count their own rows.
+        """
+        stats = self.cache_stats()
+        out: dict[str, CacheStats] = {}
+        for entry in self.shard_layout():
+            name, rows, cols = entry["name"], entry["rows"], entry["cols"]
+            if name not in stats or cols[0] != 0:
+                continue
+            same = [
+                s.rank
+                for s in self.plan.table(entry["table"]).shards
+                if list(s.rows) == rows and list(s.cols) == cols
+            ]
+            if self.env.rank == min(same, default=self.env.rank):
+                out[name] = stats[name]
+        return out
+
     def cached_rows(self) -> dict[str, torch.Tensor]:
         """``{local table name: rows in its cache, ascending}`` of this rank's cached shards.
 

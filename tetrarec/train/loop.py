@@ -50,6 +50,7 @@ from tetrarec.comm import LaunchInfo, destroy, is_joined, joined_backend
 from tetrarec.config import DeviceKind, RunConfig, TrainConfig
 from tetrarec.data import BadLineSummary, BatchLoader, input_bad_lines
 from tetrarec.kernels import build_cpu_kernels
+from tetrarec.sharding import ShardedEmbeddingBagCollection
 from tetrarec.sparse import Batch
 from tetrarec.train.build import RunParts, build_parts, check_cache_dir, model_embeddings
 from tetrarec.train.checkpoint import (
@@ -643,10 +644,14 @@ class _Run:
 
         Sharded: summed over every rank's cached shards (a collective: every rank calls
         it at the same steps), so that rank 0, which logs them, counts the shards it does
-        not hold; the first call finds out whether any rank has one, and later calls
-        skip the collective when none does.
+        not hold, each table's lookups once (``counted_cache_stats``: one replica of a
+        data-parallel table, one column block); the first call finds out whether any
+        rank has one, and later calls skip the collective when none does.
         """
         tables = self._cache_stats()
+        embeddings = self.parts.model.get_submodule("embeddings")
+        if isinstance(embeddings, ShardedEmbeddingBagCollection):  # each table's lookups once
+            tables = embeddings.counted_cache_stats()
         mine = CacheStats.total(tables.values()) if tables else None
         if self.env is None or self.world == 1 or self._cached_anywhere is False:
             return mine
