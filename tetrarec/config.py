@@ -564,7 +564,10 @@ class ShardingConfig:
         for name in ("plan", "stats"):
             object.__setattr__(self, name, expand_home(getattr(self, name)))
         if self.type is not None and self.plan is not None:
-            raise ValueError("set sharding.type or sharding.plan, not both")
+            raise ValueError(
+                "set sharding.type or sharding.plan, not both (to use a plan with a config "
+                "that sets a type: --set sharding.type=none)"
+            )
         if (self.column_block is not None and self.column_block <= 0) or not (
             0 < self.timeout_s < math.inf
         ):
