@@ -159,6 +159,18 @@ def test_an_open_quote_ends_with_its_line(tmp_path):
     assert_same(dataset([write(tmp_path / "open.csv", opened)]), ref)
 
 
+def count_reads(monkeypatch) -> list[int]:
+    """A list that gets one item per pyarrow read of lines (``_FilePlan.read``)."""
+    reads: list[int] = []
+    real_read = csv_source._FilePlan.read
+    monkeypatch.setattr(
+        csv_source._FilePlan,
+        "read",
+        lambda self, *a, **k: reads.append(1) or real_read(self, *a, **k),
+    )
+    return reads
+
+
 SMALL = ColumnMapping(label_column="y", dense_columns=("d",), sparse_columns=("s",))
 SMALL_TABLES = [TableConfig(name="s", num_embeddings=1 << 20, dim=4)]
 
@@ -199,13 +211,7 @@ def test_open_quotes_are_read_with_the_block(tmp_path, monkeypatch):
     path.write_text("\n".join(["y,d,s", *lines]) + "\n")
     closed = tmp_path / "closed.csv"
     closed.write_text("\n".join(["y,d,s", *(x + '"' if '"' in x else x for x in lines)]))
-    reads = []
-    real_read = csv_source._FilePlan.read
-    monkeypatch.setattr(
-        csv_source._FilePlan,
-        "read",
-        lambda self, *a, **k: reads.append(1) or real_read(self, *a, **k),
-    )
+    reads = count_reads(monkeypatch)
     ds = small(path)
     assert len(reads) == 1
     assert small_rows(ds) == small_rows(small(closed))
@@ -479,13 +485,7 @@ def test_skip_finds_many_bad_lines_in_a_few_reads(tmp_path, monkeypatch):
     16 * log16(lines) pyarrow reads per bad line. The bad lines of a block are now
     found in one pass, and the rest read as one block."""
     path = _many_bad_lines(tmp_path / "many.csv")
-    reads = []
-    real_read = csv_source._FilePlan.read
-    monkeypatch.setattr(
-        csv_source._FilePlan,
-        "read",
-        lambda self, *a, **k: reads.append(1) or real_read(self, *a, **k),
-    )
+    reads = count_reads(monkeypatch)
     ds = dataset([path], on_bad_line="skip", csv=MULTI)
     assert ds.bad_lines.skipped == 60
     assert ds.num_samples == 1000
