@@ -589,6 +589,15 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
 
+    def __post_init__(self) -> None:
+        # Checked with the config, as model.placement's list is, not first under torchrun.
+        types = self.sharding.type
+        if isinstance(types, tuple) and len(types) != self.model.num_sparse:
+            raise ValueError(
+                f"sharding.type must be one sharding type or {self.model.num_sparse} (one "
+                f"per table), got {len(types)}"
+            )
+
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (enums as strings, tuples as lists, ``None`` left out)."""
         return _fields_to_dict(self)

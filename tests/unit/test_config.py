@@ -129,6 +129,8 @@ def test_overrides_parse_with_field_types() -> None:
         ("model.placement=[host, foo]", r"^model\.placement\[1\]: 'foo' is not one of"),
         ("model.dlrm.bottom_mlp=[64, x]", r"^model\.dlrm\.bottom_mlp\[1\]: expected int, got 'x'$"),
         ('data.eval_path=["a.tsv", ""]', r"eval_path has an empty entry"),
+        # bug caught: a list of another length was found only under torchrun, at launch
+        ("sharding.type=[row_wise, table_wise]", r"sharding\.type must be one .* or 26 .* got 2"),
         ("data.dense_columns=a,,b", r"dense_columns has an empty entry"),
     ],
 )
@@ -171,12 +173,12 @@ FIELD_KINDS = [
     (['data.eval_path="x y.tsv"'], "data.eval_path", ("x y.tsv",)),  # one quoted path
     (["data.eval_path=/d/day_0.tsv.gz"], "data.eval_path", ("/d/day_0.tsv.gz",)),  # bare
     (
-        ['sharding.type=["row_wise", "table_wise"]'],  # tuple of enums, TOML
+        ["model.num_sparse=2", 'sharding.type=["row_wise", "table_wise"]'],  # tuple of enums
         "sharding.type",
         (ShardingType.ROW_WISE, ShardingType.TABLE_WISE),
     ),
     (
-        ["sharding.type=[row_wise, data_parallel]"],  # tuple of enums, bare items
+        ["model.num_sparse=2", "sharding.type=[row_wise, data_parallel]"],  # bare items
         "sharding.type",
         (ShardingType.ROW_WISE, ShardingType.DATA_PARALLEL),
     ),
