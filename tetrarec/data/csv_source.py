@@ -159,19 +159,17 @@ def _open_quote_pattern(delimiter: str) -> re.Pattern[bytes]:
 def _close_open_quotes(data: bytes, open_quote: re.Pattern[bytes]) -> bytes:
     r"""``data`` (lines) with a ``"`` added at the end of each line that leaves one open.
 
-        pyarrow's parser carries an open quote over the newline into the next line (even
-        with ``newlines_in_values=False``): the rows are then not the lines, and together
-        with a lone ``"
-    "`` (which ends a row in pyarrow) elsewhere in a block, the count
-        of rows can still match the count of lines. Closed here, a line's row is what
-        pyarrow reads from that line alone, wherever blocks end.
+    pyarrow's parser carries an open quote over the newline into the next line (even
+    with ``newlines_in_values=False``): the rows are then not the lines, and together
+    with a lone ``"\r"`` (which ends a row in pyarrow) elsewhere in a block, the count
+    of rows can still match the count of lines. Closed here, a line's row is what
+    pyarrow reads from that line alone, wherever blocks end.
 
-        Vectorized: only lines with an odd number of quotes can leave one open, unless a
-        field holds a literal quote (``ab"c``); those are matched with ``open_quote``
-        one by one. A line with an even number is matched too when ``data`` has a lone
-        ``"
-    "``; otherwise one left open makes fewer rows than lines, which the callers'
-        count of rows finds.
+    Vectorized: only lines with an odd number of quotes can leave one open, unless a
+    field holds a literal quote (``ab"c``); those are matched with ``open_quote``
+    one by one. A line with an even number is matched too when ``data`` has a lone
+    ``"\r"``; otherwise one left open makes fewer rows than lines, which the callers'
+    count of rows finds.
     """
     if b'"' not in data:
         return data
