@@ -10,12 +10,18 @@ from tetrarec.models.dlrm import (
     StartsPooling,
     build_model,
 )
-from tetrarec.models.first_order import FirstOrder
+from tetrarec.models.first_order import (
+    FIRST_ORDER_SUFFIX,
+    FirstOrder,
+    first_order_optimizer,
+    first_order_tables,
+)
 from tetrarec.models.interaction import DotInteraction, Interaction, dot_interaction_reference
 from tetrarec.models.mlp import MLP
 
 __all__ = [
     "DLRM",
+    "FIRST_ORDER_SUFFIX",
     "INTERACTIONS",
     "MLP",
     "DCNInteraction",
@@ -31,4 +37,6 @@ __all__ = [
     "StartsPooling",
     "build_model",
     "dot_interaction_reference",
+    "first_order_optimizer",
+    "first_order_tables",
 ]

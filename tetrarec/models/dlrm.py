@@ -154,7 +154,8 @@ class DLRM(nn.Module):
         TypeError: if ``embeddings`` does not follow ``EmbeddingModule``, or, with
             ``config.first_order``, does not list its ``tables``.
         ValueError: if the embedding dims differ from each other or from the bottom
-            MLP's output, or ``config.first_order`` is set for sharded tables.
+            MLP's output, or ``config.first_order`` is set around an already sharded
+            module (build on meta tables and shard the model: both collections shard).
 
     Example:
         >>> from tetrarec.embedding import EmbeddingBagCollection, TableConfig
@@ -215,11 +216,13 @@ class DLRM(nn.Module):
         # Built last: it draws nothing from the RNGs, and a model without it is as before.
         self.first_order: FirstOrder | None = None
         if config.first_order:
+            tables, device = _first_order_tables(embeddings)
             self.first_order = FirstOrder(
-                _first_order_tables(embeddings),
+                tables,
                 num_dense=config.num_dense,
                 lr=config.first_order_lr,
                 weight_decay=config.first_order_weight_decay,
+                device=device,
             )
 
     def forward(self, dense: torch.Tensor, sparse: SparseFeatures) -> torch.Tensor:
@@ -276,22 +279,23 @@ class DLRM(nn.Module):
         )
 
 
-def _first_order_tables(embeddings: nn.Module) -> tuple[TableConfig, ...]:
-    """The tables a ``FirstOrder`` term copies: those of an unsharded ``embeddings``.
+def _first_order_tables(embeddings: nn.Module) -> tuple[tuple[TableConfig, ...], str | None]:
+    """The tables a ``FirstOrder`` term copies, and where its rows go.
+
+    The rows are built where the tables are: on the meta device when ``embeddings`` only
+    describes its tables (to be sharded next: ``shard_model`` then shards the term's
+    tables by the same plan), else on the CPU (the model is moved later).
 
     Raises:
         TypeError: if ``embeddings`` does not list its tables (``tables``).
-        ValueError: if ``embeddings`` is sharded, or only describes its tables (on the
-            meta device, to be sharded next).
+        ValueError: if ``embeddings`` is already sharded (the term's tables would miss
+            the plan: build the model unsharded, or on the meta device, then shard it).
     """
-    sharded = isinstance(embeddings, StartsPooling) or any(
-        b.is_meta for b in itertools.chain(embeddings.buffers(), embeddings.parameters())
-    )
-    if sharded:
+    if isinstance(embeddings, StartsPooling):
         raise ValueError(
-            "model.dlrm.first_order is not supported with sharded tables yet: its per-row "
-            "weights would be replicated on every rank and updated with that rank's "
-            "gradients only; train without sharding, or set model.dlrm.first_order = false"
+            "model.dlrm.first_order around an already sharded embedding module: its tables "
+            "would not be in the plan; build the model on unsharded (or meta) tables, then "
+            "shard it (shard_model shards the first-order tables too)"
         )
     tables = getattr(embeddings, "tables", None)
     if not isinstance(tables, tuple) or not all(isinstance(t, TableConfig) for t in tables):
@@ -299,7 +303,8 @@ def _first_order_tables(embeddings: nn.Module) -> tuple[TableConfig, ...]:
             f"model.dlrm.first_order needs an embedding module that lists its tables "
             f"(a tuple of TableConfig in .tables); {type(embeddings).__name__} does not"
         )
-    return tables
+    on_meta = any(b.is_meta for b in itertools.chain(embeddings.buffers(), embeddings.parameters()))
+    return tables, "meta" if on_meta else None
 
 
 def build_model(config: DLRMConfig, embeddings: nn.Module) -> DLRM:

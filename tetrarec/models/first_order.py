@@ -20,21 +20,31 @@ with this term the DLRM's interactions only add to it, instead of having to repr
 it through the embeddings and the top MLP.
 
 Every weight starts at 0 (the model starts as its interactions alone). The per-row
-weights live in their own ``FusedEmbeddingBagCollection`` (``rows``): its backward
-applies Adagrad to the touched rows in place (``lr``, ``weight_decay``: lazy L2 on the
-touched rows, see ``SparseOptimizerSpec``), so no gradient the size of a table exists
-and no trainer optimizer has to know about them. The dense weights are an ordinary
-parameter: the dense optimizer trains them.
+weights are tables like any other (``first_order_tables``: a dim-1 FP32 copy of each
+model table, named ``<table>_first_order``, initialized to 0 by its ``init_bound``), held
+in their own ``FusedEmbeddingBagCollection`` (``rows``): its backward applies Adagrad
+to the touched rows in place (``lr``, ``weight_decay``: lazy L2 on the touched rows,
+see ``SparseOptimizerSpec``), so no gradient the size of a table exists and no trainer
+optimizer has to know about them. The dense weights are an ordinary parameter: the
+dense optimizer trains them.
 
-The module's state dict holds the rows (``rows.weights.<table>``) and their Adagrad
-state (``optim.<table>.<name>``), so a checkpoint restores both bitwise.
+Because ``rows`` is a fused collection of named tables, a sharded run plans and shards
+it like the model's own collection: the run's tables (``tetrarec.config.model_tables``)
+list these tables too, the planner counts them, and ``shard_model`` swaps ``rows`` for
+the ``ShardedEmbeddingBagCollection`` of their plan. Built on the meta device (a model
+that is sharded next), it only describes them.
+
+The module's state dict holds the rows (``rows.*``: the collection's, sharded or not)
+and their Adagrad state (``optim.<table>.<name>``, by the collection's local table
+names), so a checkpoint restores both bitwise; a sharded run's ranks each save their
+own blocks.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -43,20 +53,62 @@ from tetrarec.embedding import SparseOptimizerSpec, TableConfig
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures
 from tetrarec.types import OptimizerKind, Precision
 
-__all__ = ["FirstOrder"]
+__all__ = ["FIRST_ORDER_SUFFIX", "FirstOrder", "first_order_optimizer", "first_order_tables"]
 
 _OPTIM = "optim."  # state-dict prefix of the rows' optimizer state
+
+
+def first_order_optimizer(*, lr: float, weight_decay: float) -> SparseOptimizerSpec:
+    """The rule the first-order tables train with: Adagrad, lazy L2 on touched rows.
+
+    (A logistic regression's per-id weights: Adagrad's per-coordinate step suits their
+    very different id frequencies.)
+    """
+    return SparseOptimizerSpec(kind=OptimizerKind.ADAGRAD, lr=lr, weight_decay=weight_decay)
+
+
+@runtime_checkable
+class _FusedTables(Protocol):
+    """What the term asks of its rows' collection (unsharded or sharded)."""
+
+    def table_weights(self) -> dict[str, torch.Tensor]: ...
+
+    def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]: ...
+
+    def load_optimizer_state(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None: ...
+
+
+#: A first-order table is named after its model table with this suffix.
+FIRST_ORDER_SUFFIX = "_first_order"
+
+
+def first_order_tables(tables: Sequence[TableConfig]) -> tuple[TableConfig, ...]:
+    """The first-order term's tables: one per model table, looked up by its features.
+
+    Each is a dim-1 FP32 copy of its table (same rows, features and pooling), named
+    ``<table>_first_order`` and initialized to 0 (``init_bound`` 0, so a collection
+    built anywhere, the meta device or a rank's shard, starts at 0).
+
+    >>> [t.name for t in first_order_tables([TableConfig(name="C1", num_embeddings=4, dim=8)])]
+    ['C1_first_order']
+    """
+    return tuple(
+        dataclasses.replace(
+            t, name=f"{t.name}{FIRST_ORDER_SUFFIX}", dim=1, precision=Precision.FP32, init_bound=0.0
+        )
+        for t in tables
+    )
 
 
 class FirstOrder(nn.Module):
     """A weight per row of every table and per dense input, summed into one logit.
 
     Args:
-        tables: the model's tables; each gets a dim-1 FP32 copy (same name, rows,
-            features and pooling).
+        tables: the model's tables; each gets a dim-1 FP32 copy (``first_order_tables``).
         num_dense: dense inputs per sample (0: no dense weights).
         lr: the rows' Adagrad learning rate.
         weight_decay: L2 on the rows a step touches (``SparseOptimizerSpec``).
+        device: where the rows live (``"meta"``: described only, for ``shard_model``).
 
     Raises:
         ValueError: for no tables, a negative ``num_dense`` or bad optimizer settings.
@@ -69,7 +121,13 @@ class FirstOrder(nn.Module):
     """
 
     def __init__(
-        self, tables: Sequence[TableConfig], *, num_dense: int, lr: float, weight_decay: float
+        self,
+        tables: Sequence[TableConfig],
+        *,
+        num_dense: int,
+        lr: float,
+        weight_decay: float,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         if not tables:
@@ -79,15 +137,11 @@ class FirstOrder(nn.Module):
         # Imported here: the kernels package compiles its CPU kernel on first use only.
         from tetrarec.kernels import FusedEmbeddingBagCollection
 
-        weights = [
-            dataclasses.replace(t, dim=1, precision=Precision.FP32, init_bound=None) for t in tables
-        ]
-        spec = SparseOptimizerSpec(kind=OptimizerKind.ADAGRAD, lr=lr, weight_decay=weight_decay)
-        # seed=0: the rows are zeroed next, and a fixed seed draws nothing from the
-        # global RNG (the rest of the model's initialization stays as it is).
-        self.rows = FusedEmbeddingBagCollection(weights, spec, seed=0)
-        self.rows.load_state_dict(
-            {f"weights.{t.name}": torch.zeros(t.num_embeddings, 1) for t in weights}
+        spec = first_order_optimizer(lr=lr, weight_decay=weight_decay)
+        # seed=0: the rows start at 0 (init_bound), and a fixed seed draws nothing from
+        # the global RNG (the rest of the model's initialization stays as it is).
+        self.rows: nn.Module = FusedEmbeddingBagCollection(
+            first_order_tables(tables), spec, seed=0, device=device
         )
         self.num_dense = num_dense
         self.dense: nn.Linear | None = None
@@ -113,14 +167,27 @@ class FirstOrder(nn.Module):
         return out
 
     def row_weights(self) -> dict[str, torch.Tensor]:
-        """``{table: (rows,) FP32}``: every row's weight (a copy)."""
-        return {k: v.squeeze(1).clone() for k, v in self.rows.table_weights().items()}
+        """``{model table: (rows,) FP32}``: every row's weight (a copy; unsharded rows).
+
+        Keyed by the model table's name (``C1``, not ``C1_first_order``).
+        """
+        weights = self._tables().table_weights()
+        return {
+            k.removesuffix(FIRST_ORDER_SUFFIX): v.squeeze(1).clone() for k, v in weights.items()
+        }
+
+    def _tables(self) -> _FusedTables:
+        """``rows``, typed: the fused collection, or what ``shard_model`` swapped in."""
+        rows = self.rows
+        if not isinstance(rows, _FusedTables):
+            raise TypeError(f"FirstOrder.rows is a {type(rows).__name__}, not a fused collection")
+        return rows
 
     def _save_to_state_dict(
         self, destination: dict[str, Any], prefix: str, keep_vars: bool
     ) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        for table, names in self.rows.optimizer_state().items():
+        for table, names in self._tables().optimizer_state().items():
             for name, value in names.items():
                 destination[f"{prefix}{_OPTIM}{table}.{name}"] = (
                     value if keep_vars else value.detach()
@@ -141,7 +208,7 @@ class FirstOrder(nn.Module):
         )
         mine = {
             f"{prefix}{_OPTIM}{table}.{name}": (table, name)
-            for table, names in self.rows.optimizer_state().items()
+            for table, names in self._tables().optimizer_state().items()
             for name in names
         }
         # nn.Module's own loading calls them unexpected (no submodule is named "optim").
@@ -158,6 +225,6 @@ class FirstOrder(nn.Module):
         if sum(len(v) for v in state.values()) < len(mine):
             return  # reported as missing
         try:
-            self.rows.load_optimizer_state(state)
+            self._tables().load_optimizer_state(state)
         except ValueError as e:
             error_msgs.append(f"{prefix}{_OPTIM}: {e}")

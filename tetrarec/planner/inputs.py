@@ -304,19 +304,23 @@ def inputs_from_config(
 ) -> PlannerInputs:
     """The planner's inputs for a run config on ``topology``.
 
-    Tables are ``build_tables(config.model)``, the ``cached`` and ``ssd`` ones placed as
-    the config says (``TableSpec.placement``); the optimizer is ``optim.sparse.kind``;
+    Tables are ``model_tables(config.model)`` (the embedding tables, then a first-order
+    term's), the ``cached`` and ``ssd`` ones placed as the config says
+    (``TableSpec.placement``); the optimizer is ``optim.sparse.kind`` (a first-order
+    table's is its own, Adagrad);
     the batch is ``data.batch_size`` (global); features missing from ``stats`` get
     the defaults (pooling 1, uniform access).
 
     Raises:
         ValueError: on a bad stats file.
     """
-    from tetrarec.train.build import build_tables, fixed_placements
+    from tetrarec.models import first_order_optimizer
+    from tetrarec.train.build import build_tables, fixed_placements, model_tables
 
     per_feature = load_stats(stats) if stats is not None else {}
-    configs = build_tables(config.model)
-    features = [f for t in configs for f in t.feature_names]
+    configs = model_tables(config.model)
+    num_embedding_tables = len(build_tables(config.model))
+    features = list(dict.fromkeys(f for t in configs for f in t.feature_names))
     missing = [f for f in features if f not in per_feature]
     if stats is not None and missing:
         logger.warning(
@@ -329,6 +333,11 @@ def inputs_from_config(
             "; was it written for another config?" if len(missing) == len(features) else "",
         )
     kind = config.optim.sparse.kind
+    dlrm = config.model.dlrm
+    first_order = first_order_optimizer(
+        lr=dlrm.first_order_lr, weight_decay=dlrm.first_order_weight_decay
+    ).kind
+    kinds = {t.name: kind for t in configs[:num_embedding_tables]}
     fixed = fixed_placements(config.model, kind)
     tables = tuple(
         TableSpec(
@@ -337,13 +346,13 @@ def inputs_from_config(
             dim=t.dim,
             features=t.feature_names,
             precision=t.precision,
-            optimizer=kind,
+            optimizer=kinds.get(t.name, first_order),
             stats=tuple(per_feature.get(f, AccessStats()) for f in t.feature_names),
             placement=fixed.get(t.name),
         )
         for t in configs
     )
-    flops, params = dense_cost(config.model.dlrm, len(tables))
+    flops, params = dense_cost(config.model.dlrm, num_embedding_tables)
     return PlannerInputs(
         tables=tables,
         batch_size=config.data.batch_size,

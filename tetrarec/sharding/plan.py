@@ -26,6 +26,7 @@ collective.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterator, Sequence
@@ -219,6 +220,21 @@ class ShardingPlan:
             if t.table == name:
                 return t
         raise KeyError(f"the sharding plan has no table {name!r}")
+
+    def select(self, names: Sequence[str]) -> ShardingPlan:
+        """The part of the plan that places tables ``names`` (in that order).
+
+        A model with several collections (its embedding tables and a first-order
+        term's) has one plan; each collection is sharded by its own part.
+
+        Raises:
+            ValueError: naming the tables the plan does not place.
+        """
+        by_name = {t.table: t for t in self.tables}
+        missing = [n for n in names if n not in by_name]
+        if missing:
+            raise ValueError(f"the sharding plan does not place tables {missing}")
+        return dataclasses.replace(self, tables=tuple(by_name[n] for n in names))
 
     # -- checks ---------------------------------------------------------------------------
 

@@ -9,9 +9,11 @@
 1. every rank checks, with one small collective, that all ranks agree on the world
    size, the plan and the tables (and whatever else the caller adds to ``agree_on``);
    a mismatch fails on every rank with a message that says what differs;
-2. each ``FusedEmbeddingBagCollection`` in the model is swapped, in place, for the
-   ``ShardedEmbeddingBagCollection`` of the plan (same tables, optimizer, seed and
-   kernel settings; rows copied over unless the module lives on the meta device);
+2. each ``FusedEmbeddingBagCollection`` in the model (its embedding tables, and a
+   first-order term's) is swapped, in place, for the ``ShardedEmbeddingBagCollection``
+   of its tables' part of the plan (same tables, optimizer, seed and kernel settings;
+   rows copied over unless the module lives on the meta device); the plan must place
+   every table of every collection, and nothing else;
 3. the model is wrapped in ``DistributedDataParallel`` for its dense parameters, on
    the env's dense process group, with gradients summed (not averaged): each rank's
    loss is its share of the global batch's mean (``sum over its samples / global
@@ -148,6 +150,8 @@ def shard_model(
             f"{type(model).__name__} has no FusedEmbeddingBagCollection to shard "
             "(set model.embedding = 'fused')"
         )
+    every = [t for _, m in found for t in m.tables]
+    plan.validate(every)  # exactly the model's tables (raised on every rank alike)
     facts = {
         "world_size": env.world_size,
         "local_world_size": env.local_world_size,
@@ -158,7 +162,8 @@ def shard_model(
     }
     check_ranks_agree(env, facts)
     for name, module in found:
-        sharded = shard_collection(module, plan, env, cache=cache, static_counts=static_counts)
+        part = plan.select([t.name for t in module.tables])
+        sharded = shard_collection(module, part, env, cache=cache, static_counts=static_counts)
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, sharded)
     if env.world_size == 1:

@@ -6,10 +6,11 @@ exactly what training builds.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -19,10 +20,10 @@ from torch import nn
 
 from tetrarec.config import EmbeddingKind, ModelConfig, RunConfig
 from tetrarec.embedding import EmbeddingBagCollection, SparseOptimizerSpec, TableConfig
-from tetrarec.models import DLRM, EmbeddingModule, build_model
+from tetrarec.models import DLRM, EmbeddingModule, build_model, first_order_tables
 from tetrarec.sharding import ShardingEnv, ShardingPlan, TablePlacement
 from tetrarec.train.optim import build_dense_optimizer, build_sparse_optimizer
-from tetrarec.types import OptimizerKind, Placement, Precision
+from tetrarec.types import OptimizerKind, Placement, Precision, ShardingType
 
 __all__ = [
     "EMBEDDINGS",
@@ -36,6 +37,8 @@ __all__ = [
     "embedding_optimizer",
     "fixed_placements",
     "model_embeddings",
+    "model_tables",
+    "table_sharding_types",
 ]
 
 logger = logging.getLogger(__name__)
@@ -44,7 +47,8 @@ logger = logging.getLogger(__name__)
 def build_tables(model: ModelConfig) -> tuple[TableConfig, ...]:
     """One table per sparse feature, named ``C1``, ``C2``, ... (the Criteo names).
 
-    Data sources map their i-th categorical input to the i-th table.
+    Data sources map their i-th categorical input to the i-th table. These are the
+    embedding collection's tables; ``model_tables`` adds the model's own (first-order).
     """
     return tuple(
         TableConfig(
@@ -56,6 +60,33 @@ def build_tables(model: ModelConfig) -> tuple[TableConfig, ...]:
         )
         for i, rows in enumerate(model.table_rows)
     )
+
+
+def model_tables(model: ModelConfig) -> tuple[TableConfig, ...]:
+    """Every table of the run's model: ``build_tables``, then the first-order term's.
+
+    With ``model.dlrm.first_order`` the term's dim-1 tables (``first_order_tables``, in
+    the same order) follow the embedding tables: a plan places them, the planner counts
+    them, a sharded run shards them (``shard_model``) like the others.
+    """
+    tables = build_tables(model)
+    return tables + (first_order_tables(tables) if model.dlrm.first_order else ())
+
+
+def table_sharding_types(
+    model: ModelConfig, types: ShardingType | Sequence[ShardingType]
+) -> ShardingType | tuple[ShardingType, ...]:
+    """``sharding.type`` for every table of ``model_tables``.
+
+    One type stays one type; a list (one per embedding table) gives each first-order
+    table its embedding table's type.
+    """
+    if isinstance(types, ShardingType):
+        return types
+    kinds = tuple(types)
+    if len(kinds) == 1:
+        return kinds[0]
+    return kinds + (kinds if model.dlrm.first_order else ())
 
 
 def _reference(
@@ -329,13 +360,26 @@ def _dense_to(model: DLRM, device: torch.device) -> None:
     """Move every submodule of ``model`` but its embeddings to ``device``, in place.
 
     The embedding module is built where its rows belong (or on the meta device, to be
-    sharded), so it is left alone: a meta module cannot be copied.
+    sharded), so it is left alone, and so is any other module on the meta device (the
+    first-order term's tables, to be sharded too): a meta module cannot be copied; the
+    dense parts around it are moved.
     """
-    assert not list(model.parameters(recurse=False)), "DLRM keeps its weights in submodules"
-    assert not list(model.buffers(recurse=False)), "DLRM keeps its buffers in submodules"
-    for name, child in model.named_children():
-        if name != "embeddings":
-            child.to(device)
+
+    def on_meta(module: nn.Module) -> bool:
+        return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+
+    def move(module: nn.Module) -> None:
+        assert not list(module.parameters(recurse=False)), "weights live in submodules"
+        assert not list(module.buffers(recurse=False)), "buffers live in submodules"
+        for name, child in module.named_children():
+            if module is model and name == "embeddings":
+                continue
+            if not on_meta(child):
+                child.to(device)
+            elif any(not t.is_meta for t in child.parameters()):
+                move(child)  # dense parameters beside a meta collection (FirstOrder)
+
+    move(model)
 
 
 def fixed_placements(model: ModelConfig, kind: OptimizerKind) -> dict[str, TablePlacement]:

@@ -46,6 +46,8 @@ from tetrarec.train.build import (
     build_tables,
     fixed_placements,
     model_embeddings,
+    model_tables,
+    table_sharding_types,
 )
 
 __all__ = ["make_plan", "run_datasets", "sharded_parts", "sharding_env"]
@@ -127,7 +129,7 @@ def make_plan(config: RunConfig, env: ShardingEnv) -> ShardingPlan:
     Raises:
         ValueError: if the plan does not fit the tables or the world.
     """
-    tables = build_tables(config.model)
+    tables = model_tables(config.model)  # the first-order term's tables too
     sc = config.sharding
     if sc.plan is not None:
         plan = ShardingPlan.load(sc.plan)
@@ -136,11 +138,9 @@ def make_plan(config: RunConfig, env: ShardingEnv) -> ShardingPlan:
     elif sc.type is None:
         plan = _planned(config, env)
     else:
-        kinds = sc.type
-        types = kinds[0] if isinstance(kinds, tuple) and len(kinds) == 1 else kinds
         plan = plan_by_type(
             tables,
-            types,
+            table_sharding_types(config.model, sc.type),
             world_size=env.world_size,
             local_world_size=env.local_world_size,
             column_block=sc.column_block,

@@ -37,7 +37,7 @@ import torch
 from tetrarec.config import ModelConfig, RunConfig
 from tetrarec.data import DenseTransform, TransformedDataset
 from tetrarec.sharding import ShardedEmbeddingBagCollection
-from tetrarec.train.build import RunParts, model_embeddings
+from tetrarec.train.build import RunParts
 from tetrarec.train.checkpoint import (
     CheckpointData,
     capture_rng_state,
@@ -156,13 +156,28 @@ def _save_sharded(
     assert env is not None
     assert plan is not None
     comm = env.comm
-    own = {k: v for k, v in tensors.items() if k.startswith(("embedding.", "sparse_optim."))}
+    # Rank 0 writes the dense parameters (DistributedDataParallel keeps them equal on
+    # every rank) and the dense optimizer; each rank writes everything else it holds:
+    # its blocks and their optimizer state, of the embedding tables and of any other
+    # sharded collection in the model (a first-order term's rows, whose Adagrad state
+    # its module saves beside them), and its RNGs.
+    replicated = {f"model.{n}" for n, _ in parts.model.named_parameters()}
+    own = {
+        k: v
+        for k, v in tensors.items()
+        if k.startswith(("embedding.", "sparse_optim."))
+        or (k.startswith("model.") and k not in replicated)
+    }
     dense = {k: v for k, v in tensors.items() if k not in own}
     bad = comm.all_reduce(torch.tensor([float(bool(_non_finite(tensors)))]), label="checkpoint")
     _check_finite(tensors, step, int(bad.wait()[0]))
     own.update(rng[0])
-    layout = model_embeddings(parts.model)
-    shards = layout.shard_layout() if isinstance(layout, ShardedEmbeddingBagCollection) else []
+    shards = [
+        entry
+        for module in parts.model.modules()
+        if isinstance(module, ShardedEmbeddingBagCollection)
+        for entry in module.shard_layout()
+    ]
     # The blocks this rank's optimizer state is keyed by (each rank's own: rank 0's meta
     # is the one written, and an SGD block has no tensor to name it).
     keys = meta["sparse_optim"]["keys"]

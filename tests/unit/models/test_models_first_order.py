@@ -12,9 +12,10 @@ from tetrarec.embedding import (
     TableConfig,
 )
 from tetrarec.kernels import FusedEmbeddingBagCollection
-from tetrarec.models import DLRM, DLRMConfig, FirstOrder, build_model
+from tetrarec.models import DLRM, FIRST_ORDER_SUFFIX, DLRMConfig, FirstOrder, build_model
 from tetrarec.sparse import SparseFeatures
 from tetrarec.train import build_parts
+from tetrarec.train.build import model_tables
 
 ROWS = (6, 4)  # rows of tables t0, t1
 DIM = 4
@@ -49,7 +50,7 @@ def _batch(num_dense: int = 3) -> tuple[torch.Tensor, SparseFeatures]:
 def _set_rows(model: DLRM, rows: dict[str, list[float]]) -> None:
     assert model.first_order is not None
     model.first_order.rows.load_state_dict(
-        {f"weights.{t}": torch.tensor(v).unsqueeze(1) for t, v in rows.items()}
+        {f"weights.{t}{FIRST_ORDER_SUFFIX}": torch.tensor(v).unsqueeze(1) for t, v in rows.items()}
     )
 
 
@@ -147,15 +148,17 @@ def test_first_order_state_dict_resumes_rows_and_their_adagrad_state_bitwise() -
     assert resumed.first_order is not None
     for table, w in model.first_order.row_weights().items():
         assert torch.equal(resumed.first_order.row_weights()[table], w), table
-    missing = {k: v for k, v in state.items() if not k.startswith("first_order.optim.t1")}
-    with pytest.raises(RuntimeError, match=r"first_order\.optim\.t1\.sum"):
+    missing = {k: v for k, v in state.items() if not k.startswith("first_order.optim.t1_")}
+    with pytest.raises(RuntimeError, match=r"first_order\.optim\.t1_first_order\.sum"):
         _model(True).load_state_dict(missing)
 
 
-def test_first_order_refuses_sharded_tables() -> None:
+def test_first_order_tables_are_described_on_meta_for_a_sharded_build() -> None:
     # A sharded run builds its model around a meta-device collection (build_parts with
-    # describe_only) and shards it next: the per-row weights would be replicated and
-    # updated per rank, so the build must stop with a message naming the setting.
+    # describe_only) and shards it next. Catches a term that builds real rows there (a
+    # private copy on every rank, which sharding never sees), that fails to move its
+    # dense weights beside the meta rows, or whose tables differ from the run's tables
+    # that the planner and the plan see (model_tables).
     config = RunConfig.from_dict(
         {
             "model": {
@@ -165,9 +168,19 @@ def test_first_order_refuses_sharded_tables() -> None:
             }
         }
     ).with_overrides(["model.dlrm.first_order=true"])
-    with pytest.raises(ValueError, match="first_order is not supported with sharded tables"):
-        build_parts(config, num_dense=3, describe_only=True)
-    assert build_parts(config, num_dense=3).model.first_order is not None  # unsharded: fine
+    model = build_parts(config, num_dense=3, describe_only=True).model
+    assert model.first_order is not None
+    rows = model.first_order.rows
+    assert isinstance(rows, FusedEmbeddingBagCollection)
+    assert all(b.is_meta for b in rows.buffers())
+    assert model.first_order.dense is not None
+    assert not model.first_order.dense.weight.is_meta
+    assert rows.tables == model_tables(config.model)[2:]
+    assert [t.name for t in rows.tables] == ["C1_first_order", "C2_first_order"]
+    assert {t.dim for t in rows.tables} == {1}
+    unsharded = build_parts(config, num_dense=3).model.first_order
+    assert unsharded is not None
+    assert all(not w.any() for w in unsharded.row_weights().values())  # starts at 0
 
 
 def test_first_order_needs_an_embedding_module_that_lists_its_tables() -> None:

@@ -11,7 +11,7 @@ import pytest
 from tetrarec.cli import main
 from tetrarec.config import RunConfig
 from tetrarec.sharding.plan import ShardingPlan
-from tetrarec.train.build import build_tables
+from tetrarec.train.build import model_tables
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "criteo_kaggle_sample.toml"
 
@@ -59,7 +59,7 @@ def test_plan_prints_and_writes_a_plan_that_loads_and_validates(capsys, tmp_path
     assert "C1" in printed
     plan = ShardingPlan.load(out)
     assert (plan.world_size, plan.local_world_size) == (4, 4)  # torchrun on this machine
-    plan.validate(build_tables(RunConfig.from_toml(EXAMPLE).model))
+    plan.validate(model_tables(RunConfig.from_toml(EXAMPLE).model))
     side = json.loads(Path(f"{out}.report.json").read_text())
     assert [t["table"] for t in side["tables"]] == [t.table for t in plan.tables]
 

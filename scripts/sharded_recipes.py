@@ -1,0 +1,202 @@
+"""Train recipes in one process and under torchrun, and compare their metrics.
+
+    .venv/bin/python scripts/sharded_recipes.py                      # the recipes with a
+        # first-order term (criteo_kaggle_sample, avazu_sample), 2 and 3 ranks, row-wise
+        # and mixed plans
+    .venv/bin/python scripts/sharded_recipes.py --config examples/avazu_sample.toml \\
+        --nproc 2 --plans row_wise,mixed,planner --json out.json
+
+Every run is deterministic (``train.deterministic = true``) and writes its summary JSON;
+the sharded runs must give the one-process run's evaluation metrics (the best
+checkpoint's, and the last evaluation's) within ``--auc-tol`` and ``--log-loss-tol``
+(DESIGN.md: "sharded equals unsharded"). A plan is one of:
+
+- ``row_wise`` (or any one sharding type): every table, the first-order term's too;
+- ``mixed``: the sharding types in turn over the tables (table-wise, row-wise,
+  column-wise, data-parallel, table-row-wise, table-column-wise, ...); a first-order
+  table takes its embedding table's type;
+- ``planner``: no type, the planner's plan for this machine.
+
+Prints one table of the runs side by side, and exits 1 if any sharded run differs.
+Checkpoints and logs go to a temporary directory (``--keep DIR`` keeps them there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIGS = ("examples/criteo_kaggle_sample.toml", "examples/avazu_sample.toml")
+MIXED = (
+    "table_wise",
+    "row_wise",
+    "column_wise",
+    "data_parallel",
+    "table_row_wise",
+    "table_column_wise",
+)
+
+
+def _recipe(config: str) -> tuple[int, int]:
+    """``(tables, global batch size)`` of a recipe."""
+    sys.path.insert(0, str(ROOT))
+    from tetrarec.config import RunConfig
+
+    run = RunConfig.from_toml(config)
+    return run.model.num_sparse, run.data.batch_size
+
+
+def _batch_for(batch: int, nprocs: list[int]) -> int:
+    """``batch``, or the nearest size every rank count splits evenly (each rank takes an
+    equal slice of the global batch)."""
+    step = math.lcm(*nprocs)
+    if batch % step == 0:
+        return batch
+    return max(step, round(batch / step) * step)
+
+
+def _plan_overrides(plan: str, config: str) -> list[str]:
+    if plan == "planner":
+        return []
+    if plan == "mixed":
+        n, _ = _recipe(config)
+        types = [MIXED[i % len(MIXED)] for i in range(n)]
+        return [f"sharding.type={','.join(types)}"]
+    return [f"sharding.type={plan}"]
+
+
+def _run(config: str, nproc: int, plan: str, work: Path, batch: int) -> dict[str, Any]:
+    name = f"{Path(config).stem}-{nproc}-{plan}"
+    out = work / f"{name}.json"
+    sets = [
+        "train.deterministic=true",
+        f"data.batch_size={batch}",
+        f"train.checkpoint_dir={work / name}",
+        f"train.json={out}",
+        *(_plan_overrides(plan, config) if nproc > 1 else []),
+    ]
+    exe = Path(sys.executable).parent
+    if nproc > 1:
+        cmd = [str(exe / "torchrun"), "--nproc-per-node", str(nproc), "-m", "tetrarec"]
+    else:
+        cmd = [sys.executable, "-m", "tetrarec"]
+    cmd += ["-q", "train", "--config", config]
+    for s in sets:
+        cmd += ["--set", s]
+    start = time.perf_counter()
+    log = work / f"{name}.log"
+    with log.open("w") as f:
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=False)
+    seconds = time.perf_counter() - start
+    if rc.returncode != 0:
+        tail = log.read_text().splitlines()[-5:]
+        return {"name": name, "error": f"exit {rc.returncode}: " + " | ".join(tail)}
+    summary = json.loads(out.read_text())
+    return {
+        "name": name,
+        "config": config,
+        "nproc": nproc,
+        "plan": plan if nproc > 1 else "one process",
+        "seconds": round(seconds, 1),
+        "steps": summary["steps"],
+        "best": summary.get("best"),
+        "final": summary["final"],
+    }
+
+
+def _metrics(run: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for key in ("best", "final"):
+        m = run.get(key)
+        if m:
+            out[f"{key}_auc"] = m["auc"]
+            out[f"{key}_log_loss"] = m["log_loss"]
+            if key == "best":
+                out["best_step"] = m["step"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the comparison; return the exit status."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", action="append", help="a recipe (repeatable)")
+    p.add_argument("--nproc", default="2,3", help="ranks, comma-separated (default 2,3)")
+    p.add_argument("--plans", default="row_wise,mixed", help="plans (default row_wise,mixed)")
+    p.add_argument("--auc-tol", type=float, default=1e-4)
+    p.add_argument("--log-loss-tol", type=float, default=1e-5)
+    p.add_argument("--json", help="write every run's metrics here")
+    p.add_argument("--keep", help="keep checkpoints and logs in this directory")
+    args = p.parse_args(argv)
+    configs = args.config or list(DEFAULT_CONFIGS)
+    nprocs = [int(x) for x in args.nproc.split(",")]
+    plans = args.plans.split(",")
+    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="tetrarec-recipes-"))
+    work.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    every: list[dict[str, Any]] = []
+    failed = False
+    for config in configs:
+        batch = _batch_for(_recipe(config)[1], nprocs)
+        if batch != _recipe(config)[1]:
+            print(
+                f"\n{config}: data.batch_size {_recipe(config)[1]} does not split over "
+                f"{args.nproc} ranks; every run of it (one process too) uses {batch}"
+            )
+        base = _run(config, 1, "-", work, batch)
+        every.append(base)
+        if "error" in base:
+            print(f"{base['name']}: {base['error']}")
+            failed = True
+            continue
+        ref = _metrics(base)
+        print(f"\n{config}  (one process: {base['steps']} steps, {base['seconds']} s)")
+        head = f"{'run':<30} {'best step':>9} {'best AUC':>10} {'best log loss':>14} "
+        head += f"{'final AUC':>10} {'final log loss':>15} {'max |d AUC|':>12} {'max |d LL|':>11}"
+        print(head)
+        for nproc in nprocs:
+            for plan in plans:
+                run = _run(config, nproc, plan, work, batch) if nproc > 1 else base
+                every.append(run)
+                label = f"{nproc} ranks, {plan}"
+                if "error" in run:
+                    print(f"{label:<30} {run['error']}")
+                    failed = True
+                    continue
+                got = _metrics(run)
+                d_auc = max(abs(got[k] - ref[k]) for k in ref if k.endswith("_auc"))
+                d_ll = max(abs(got[k] - ref[k]) for k in ref if k.endswith("_log_loss"))
+                same_step = got.get("best_step") == ref.get("best_step")
+                ok = d_auc <= args.auc_tol and d_ll <= args.log_loss_tol and same_step
+                run.update(d_auc=d_auc, d_log_loss=d_ll, ok=ok)
+                failed |= not ok
+                print(
+                    f"{label:<30} {got.get('best_step', '-'):>9} {got.get('best_auc', 0):>10.6f} "
+                    f"{got.get('best_log_loss', 0):>14.8f} {got['final_auc']:>10.6f} "
+                    f"{got['final_log_loss']:>15.8f} {d_auc:>12.2e} {d_ll:>11.2e}"
+                    f"{'' if ok else '  DIFFERS'}"
+                )
+        print(
+            f"{'one process':<30} {ref.get('best_step', '-'):>9} {ref.get('best_auc', 0):>10.6f} "
+            f"{ref.get('best_log_loss', 0):>14.8f} {ref['final_auc']:>10.6f} "
+            f"{ref['final_log_loss']:>15.8f}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(every, indent=1))
+    print(
+        f"\n{'some sharded runs differ' if failed else 'every sharded run matches'} "
+        f"(AUC within {args.auc_tol}, log loss within {args.log_loss_tol}); logs in {work}"
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
