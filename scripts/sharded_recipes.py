@@ -1,9 +1,9 @@
-"""Train recipes in one process and under torchrun, and compare their metrics.
+r"""Train recipes in one process and under torchrun, and compare their metrics.
 
     .venv/bin/python scripts/sharded_recipes.py                      # the recipes with a
         # first-order term (criteo_kaggle_sample, avazu_sample), 2 and 3 ranks, row-wise
         # and mixed plans
-    .venv/bin/python scripts/sharded_recipes.py --config examples/avazu_sample.toml \\
+    .venv/bin/python scripts/sharded_recipes.py --config examples/avazu_sample.toml \
         --nproc 2 --plans row_wise,mixed,planner --json out.json
 
 Every run is deterministic (``train.deterministic = true``) and writes its summary JSON;
@@ -56,8 +56,10 @@ def _recipe(config: str) -> tuple[int, int]:
 
 
 def _batch_for(batch: int, nprocs: list[int]) -> int:
-    """``batch``, or the nearest size every rank count splits evenly (each rank takes an
-    equal slice of the global batch)."""
+    """``batch``, or the nearest size that every rank count splits evenly.
+
+    (Each rank takes an equal slice of the global batch.)
+    """
     step = math.lcm(*nprocs)
     if batch % step == 0:
         return batch
