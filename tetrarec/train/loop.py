@@ -21,21 +21,21 @@ One call, ``train(config)``, does a whole run::
 
 The number of steps is ``train.steps``, or ``train.epochs`` passes over the training
 rows (``TrainConfig.resolve_steps``), resolved once the training data is built.
+
+The summary (``TrainResult``, its log lines and JSON) is ``train.summary``; the
+process settings and path checks around a run (device, threads, deterministic mode,
+TensorBoard, a fresh run's checkpoint directory) are ``train.runtime``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
 import os
 import random
-import shutil
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,17 +44,15 @@ import torch
 import torch.nn.functional as F  # torch's convention
 from tqdm import tqdm
 
-from tetrarec import jsonio
 from tetrarec.cache import CacheStats
-from tetrarec.comm import LaunchInfo, destroy, is_joined, joined_backend
-from tetrarec.config import DeviceKind, RunConfig, TrainConfig
-from tetrarec.data import BadLineSummary, BatchLoader, input_bad_lines
+from tetrarec.comm import LaunchInfo, destroy, is_joined
+from tetrarec.config import RunConfig
+from tetrarec.data import BatchLoader, input_bad_lines
 from tetrarec.kernels import build_cpu_kernels
 from tetrarec.sharding import ShardedEmbeddingBagCollection
 from tetrarec.sparse import Batch
-from tetrarec.train.build import RunParts, build_parts, check_cache_dir, model_embeddings
+from tetrarec.train.build import RunParts, build_parts, model_embeddings
 from tetrarec.train.checkpoint import (
-    BEST_LINK,
     best_checkpoint,
     latest_checkpoint,
     list_checkpoints,
@@ -66,6 +64,13 @@ from tetrarec.train.distributed import run_datasets, sharded_parts, sharding_env
 from tetrarec.train.evaluate import evaluate
 from tetrarec.train.metrics import BestEval, Metrics, miscalibration
 from tetrarec.train.optim import set_learning_rate
+from tetrarec.train.runtime import (
+    _check_paths,
+    _clear_for_fresh_run,
+    _run_device,
+    _runtime,
+    _summary_writer_class,
+)
 from tetrarec.train.schedule import lr_scale
 from tetrarec.train.state import (
     check_same_cache,
@@ -74,6 +79,7 @@ from tetrarec.train.state import (
     save_run_state,
 )
 from tetrarec.train.static_cache import log_pinned, pinned_rows, sample_counts
+from tetrarec.train.summary import TrainResult, _log_summary, _write_json
 
 __all__ = ["NonFiniteLossError", "TrainResult", "train"]
 
@@ -93,143 +99,6 @@ class NonFiniteLossError(RuntimeError):
         super().__init__(f"non-finite loss ({loss}) at step {step}; training stopped; {where}")
         self.step = step
         self.checkpoint = checkpoint
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainResult:
-    """The summary of a run.
-
-    Args:
-        steps: steps done in total (including those before a resume).
-        start_step: the step this process started from (0 unless resumed).
-        samples_per_s: training samples per second in this process (evaluation and
-            checkpoint time excluded).
-        train_seconds: seconds spent in training steps in this process.
-        final: metrics of the final evaluation (``None`` with no eval data).
-        evals: ``(step, metrics)`` of every evaluation this process made, in order.
-        checkpoint: the last checkpoint written, if any.
-        best: with ``train.keep_best``, the best evaluation of the whole run (a
-            resumed run's includes those before the resume; its ``metrics`` are
-            ``None`` while no evaluation improved, every one ``nan``); ``None``
-            without ``keep_best``.
-        best_checkpoint: the checkpoint of the best evaluation (``<dir>/step_<n>``,
-            also linked as ``<dir>/best``), if checkpoints are written.
-        stopped_early: the run stopped at ``steps`` by ``train.early_stop_patience``,
-            before the planned number of steps.
-        cache: the cached tables' counters summed over this process's training steps
-            (over every rank's shards when sharded); ``None`` without a cached table.
-        bad_lines: the lines skipped (``data.on_bad_line = "skip"``) in the input files
-            read, train and eval (``input_bad_lines``); ``None`` for a source that reads
-            no lines (synthetic, parquet).
-    """
-
-    steps: int
-    start_step: int
-    samples_per_s: float
-    train_seconds: float
-    final: Metrics | None
-    evals: tuple[tuple[int, Metrics], ...]
-    checkpoint: str | None
-    best: BestEval | None = None
-    best_checkpoint: str | None = None
-    stopped_early: bool = False
-    cache: CacheStats | None = None
-    bad_lines: BadLineSummary | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain values for the JSON summary."""
-        best = self.best
-        return {
-            "steps": self.steps,
-            "start_step": self.start_step,
-            "samples_per_s": self.samples_per_s,
-            "train_seconds": self.train_seconds,
-            "final": self.final.to_dict() if self.final else None,
-            "evals": [{"step": s, **m.to_dict()} for s, m in self.evals],
-            "checkpoint": self.checkpoint,
-            "best": None
-            if best is None or best.metrics is None
-            else {"metric": best.metric.value, "step": best.step, **best.metrics.to_dict()},
-            "best_checkpoint": self.best_checkpoint,
-            "stopped_early": self.stopped_early,
-            "cache": None
-            if self.cache is None
-            else {
-                "hit_rate": self.cache.hit_rate,
-                "hits": self.cache.hits,
-                "misses": self.cache.misses,
-                "evictions": self.cache.evictions,
-                "write_backs": self.cache.write_backs,
-                "capacity": self.cache.capacity,
-                "occupied": self.cache.occupied,
-            },
-            "bad_lines": None if self.bad_lines is None else self.bad_lines.to_dict(),
-        }
-
-    def best_summary(self) -> str | None:
-        """One line on the best evaluation (``None`` without one)."""
-        best = self.best
-        if best is None or best.metrics is None:
-            return None
-        return f"best {best.metric.value} at step {best.step}: {best.metrics.summary()}"
-
-
-def _run_device(config: TrainConfig, launch: LaunchInfo) -> torch.device:
-    """The device of this process's run (``TrainConfig.resolve_device``).
-
-    A caller that joined the process group itself chose its backend, and ``auto``
-    follows it: the CPU under gloo (a gloo group cannot move CUDA tensors all-to-all),
-    this rank's GPU under NCCL. An explicit ``cpu`` or ``cuda`` is kept (and checked
-    against the group when the run joins it).
-    """
-    backend = joined_backend() if launch.distributed else None
-    if backend is not None and config.device is DeviceKind.AUTO and "nccl" not in backend:
-        return torch.device("cpu")
-    return config.resolve_device(launch.local_rank)
-
-
-@contextlib.contextmanager
-def _runtime(config: TrainConfig) -> Iterator[None]:
-    """Thread count and deterministic mode for the run; restored afterwards."""
-    threads = torch.get_num_threads()
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    fill = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
-    if config.deterministic:
-        torch.use_deterministic_algorithms(True)
-        # Deterministic mode would also fill every new empty tensor with NaN (a debugging
-        # aid that costs a pass over memory per allocation, ~10% of a sharded step);
-        # tetrarec never reads memory it did not write, so results are the same without.
-        torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(deterministic)
-        torch.utils.deterministic.fill_uninitialized_memory = fill  # type: ignore[attr-defined]
-
-
-def _summary_writer_class(config: TrainConfig) -> Any:
-    """TensorBoard's ``SummaryWriter`` when ``train.tensorboard_dir`` is set, else ``None``.
-
-    Called by every rank before anything is built, so that a missing TensorBoard fails
-    all of them at once with this message (not rank 0 alone, after the others joined
-    the group and went on to wait in a collective).
-
-    Raises:
-        ValueError: if TensorBoard is not installed.
-    """
-    if config.tensorboard_dir is None:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as e:
-        raise ValueError(
-            f"train.tensorboard_dir is set but TensorBoard is not installed ({e}); "
-            "install it with `pip install tetrarec[tensorboard]` or unset the option"
-        ) from e
-    return SummaryWriter
 
 
 def train(
@@ -276,49 +145,6 @@ def train(
             raise
         run.close(completed=True)
         return result
-
-
-def _check_paths(config: RunConfig) -> None:
-    """Refuse, by their keys, paths the run could only fail on after training."""
-    if config.train.json:
-        jsonio.check_output_path(config.train.json, f"train.json={config.train.json!r}")
-    where = config.train.checkpoint_dir
-    if where and Path(where).exists() and not Path(where).is_dir():
-        raise ValueError(f"train.checkpoint_dir={where!r} is a file; give a directory")
-    check_cache_dir(config.model)
-
-
-def _clear_for_fresh_run(config: TrainConfig, rank: int) -> None:
-    """Keep a fresh run from mixing its checkpoints with an earlier run's.
-
-    Pruning keeps the newest checkpoints of the directory: an earlier, longer run's
-    would outlive (and delete) the new run's own. So a fresh run in a directory with
-    checkpoints is refused, or, with ``train.overwrite_checkpoints``, rank 0 deletes
-    them first (before any collective, so no rank writes into the directory sooner).
-    """
-    root = config.checkpoint_dir
-    found = list_checkpoints(root) if root else []
-    if not found:
-        return
-    if not config.overwrite_checkpoints:
-        raise ValueError(
-            f"train.checkpoint_dir={root!r} holds an earlier run's checkpoints (newest: "
-            f"{found[-1].name}): pass --resume to continue that run, or set "
-            "train.overwrite_checkpoints=true to delete them, or give another "
-            "train.checkpoint_dir"
-        )
-    if rank == 0:
-        assert root is not None
-        link = Path(root) / BEST_LINK
-        if link.is_symlink():
-            link.unlink()
-        for path in found:
-            shutil.rmtree(path)
-        logger.info(
-            "train.overwrite_checkpoints: deleted %d checkpoint(s) of an earlier run in %s",
-            len(found),
-            root,
-        )
 
 
 class _Run:
@@ -792,35 +618,3 @@ class _Run:
             self.writer.close()
         if self.owns_group:
             destroy(barrier=completed)
-
-
-def _log_summary(result: TrainResult, planned: int, patience: int) -> None:
-    """The end of the run in the log: final and best metrics, an early stop, bad lines."""
-    if result.final is not None:
-        logger.info("final at step %d: %s", result.steps, result.final.summary())
-    best = result.best_summary()
-    if best is not None:
-        where = f" ({result.best_checkpoint})" if result.best_checkpoint else ""
-        logger.info("%s%s", best, where)
-    elif result.best is not None and result.evals:
-        logger.warning(
-            "train.keep_best: no evaluation had a finite %s (an AUC needs both labels in "
-            "the evaluation rows), so there is no best checkpoint",
-            result.best.metric.value,
-        )
-    if result.stopped_early:
-        logger.info(
-            "stopped early at step %d of %d (train.early_stop_patience = %d)",
-            result.steps,
-            planned,
-            patience,
-        )
-    if result.bad_lines is not None and result.bad_lines.skipped:
-        logger.warning("input files: %s", result.bad_lines.summary())
-
-
-def _write_json(path: str, result: TrainResult, config: RunConfig) -> None:
-    payload = {**result.to_dict(), "config": config.to_dict()}
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(jsonio.dumps(payload, indent=2) + "\n")
-    logger.info("wrote %s", path)

@@ -23,7 +23,7 @@ from tetrarec.comm import LaunchInfo, init_from_env
 from tetrarec.config import DeviceKind, RunConfig, TrainConfig
 from tetrarec.train import build_parts, evaluate_checkpoint, latest_checkpoint, read_checkpoint
 from tetrarec.train import train as run_training
-from tetrarec.train.loop import _run_device
+from tetrarec.train.runtime import _run_device
 
 TINY = [
     "data.source=synthetic",
