@@ -122,7 +122,8 @@ def loader_rows(dataset: Any, batches: int, batch: int) -> Callable[[], int]:
 
 def demo_train_samples_per_s(steps: int) -> tuple[float, str]:
     """Training samples/s of the demo DLRM on pre-built synthetic batches."""
-    from tetrarec.train.build import build_parts, build_tables
+    from tetrarec.config.tables import build_tables
+    from tetrarec.train.build import build_parts
     from tetrarec.train.demo import demo_config
 
     cfg = demo_config()

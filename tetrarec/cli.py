@@ -288,9 +288,9 @@ def _preprocess(args: argparse.Namespace) -> int:
 
 def _stats(args: argparse.Namespace) -> int:
     from tetrarec.config import RunConfig
+    from tetrarec.config.tables import build_tables
     from tetrarec.data import build_datasets
     from tetrarec.planner import feature_stats
-    from tetrarec.train.build import build_tables
 
     config = RunConfig.from_toml(args.config, args.overrides)
     tables = build_tables(config.model)

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tetrarec.config.tables import build_tables, fixed_placements, model_tables
 from tetrarec.embedding import TableConfig
+from tetrarec.models import first_order_optimizer
 from tetrarec.planner.topology import Topology
 from tetrarec.sharding.plan import TablePlacement
 from tetrarec.types import OptimizerKind, Precision
@@ -314,9 +316,6 @@ def inputs_from_config(
     Raises:
         ValueError: on a bad stats file.
     """
-    from tetrarec.models import first_order_optimizer
-    from tetrarec.train.build import build_tables, fixed_placements, model_tables
-
     per_feature = load_stats(stats) if stats is not None else {}
     configs = model_tables(config.model)
     num_embedding_tables = len(build_tables(config.model))

@@ -1,6 +1,7 @@
 """Training: the loop, metrics, optimizers, schedules, checkpoints and the demo run."""
 
-from tetrarec.train.build import RunParts, build_parts, build_tables
+from tetrarec.config.tables import build_tables
+from tetrarec.train.build import RunParts, build_parts
 from tetrarec.train.checkpoint import latest_checkpoint, read_checkpoint
 from tetrarec.train.demo import demo_config
 from tetrarec.train.evaluate import checkpoint_config, evaluate, evaluate_checkpoint

@@ -10,7 +10,7 @@ import itertools
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -19,11 +19,12 @@ import torch
 from torch import nn
 
 from tetrarec.config import EmbeddingKind, ModelConfig, RunConfig
+from tetrarec.config.tables import build_tables
 from tetrarec.embedding import EmbeddingBagCollection, SparseOptimizerSpec, TableConfig
-from tetrarec.models import DLRM, EmbeddingModule, build_model, first_order_tables
-from tetrarec.sharding import ShardingEnv, ShardingPlan, TablePlacement
+from tetrarec.models import DLRM, EmbeddingModule, build_model
+from tetrarec.sharding import ShardingEnv, ShardingPlan
 from tetrarec.train.optim import build_dense_optimizer, build_sparse_optimizer
-from tetrarec.types import OptimizerKind, Placement, Precision, ShardingType
+from tetrarec.types import Placement, Precision
 
 __all__ = [
     "EMBEDDINGS",
@@ -32,61 +33,12 @@ __all__ = [
     "SparseGradientEmbeddings",
     "build_embeddings",
     "build_parts",
-    "build_tables",
     "check_cache_dir",
     "embedding_optimizer",
-    "fixed_placements",
     "model_embeddings",
-    "model_tables",
-    "table_sharding_types",
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def build_tables(model: ModelConfig) -> tuple[TableConfig, ...]:
-    """One table per sparse feature, named ``C1``, ``C2``, ... (the Criteo names).
-
-    Data sources map their i-th categorical input to the i-th table. These are the
-    embedding collection's tables; ``model_tables`` adds the model's own (first-order).
-    """
-    return tuple(
-        TableConfig(
-            name=f"C{i + 1}",
-            num_embeddings=rows,
-            dim=model.embedding_dim,
-            pooling=model.pooling,
-            precision=model.precision,
-        )
-        for i, rows in enumerate(model.table_rows)
-    )
-
-
-def model_tables(model: ModelConfig) -> tuple[TableConfig, ...]:
-    """Every table of the run's model: ``build_tables``, then the first-order term's.
-
-    With ``model.dlrm.first_order`` the term's dim-1 tables (``first_order_tables``, in
-    the same order) follow the embedding tables: a plan places them, the planner counts
-    them, a sharded run shards them (``shard_model``) like the others.
-    """
-    tables = build_tables(model)
-    return tables + (first_order_tables(tables) if model.dlrm.first_order else ())
-
-
-def table_sharding_types(
-    model: ModelConfig, types: ShardingType | Sequence[ShardingType]
-) -> ShardingType | tuple[ShardingType, ...]:
-    """``sharding.type`` for every table of ``model_tables``.
-
-    One type stays one type; a list (one per embedding table) gives each first-order
-    table its embedding table's type.
-    """
-    if isinstance(types, ShardingType):
-        return types
-    kinds = tuple(types)
-    if len(kinds) == 1:
-        return kinds[0]
-    return kinds + (kinds if model.dlrm.first_order else ())
 
 
 def _reference(
@@ -380,37 +332,3 @@ def _dense_to(model: DLRM, device: torch.device) -> None:
                 move(child)  # dense parameters beside a meta collection (FirstOrder)
 
     move(model)
-
-
-def fixed_placements(model: ModelConfig, kind: OptimizerKind) -> dict[str, TablePlacement]:
-    """The placements the config fixes: its ``cached`` and ``ssd`` tables, by name.
-
-    A sharded run keeps them whatever its plan says, and the planner plans them so. The
-    cache size is ``[model.cache]``'s fraction, or for a byte budget the slots one
-    process would give each table (``CacheSpec.capacities``, with ``kind``'s optimizer
-    state per slot) as a fraction of its rows: a whole table's shard gets exactly those
-    slots, a row block its share (never more in all), so the budget holds for the tables
-    together, not again per rank or per sharding group. (The fraction is
-    ``(slots + 1/2) / rows``: ``floor(fraction * rows)`` is then exactly ``slots``, where
-    ``slots / rows`` could round to one slot fewer.)
-    """
-    tables = build_tables(model)
-    fixed = [
-        (t, p)
-        for t, p in zip(tables, model.table_placements, strict=True)
-        if p in (Placement.CACHED, Placement.SSD)
-    ]
-    if not fixed:
-        return {}
-    if model.cache.fraction is not None:
-        fractions = {t.name: model.cache.fraction for t, _ in fixed}
-    else:
-        slots = model.cache.spec().capacities([t for t, _ in fixed], kind)
-        fractions = {
-            t.name: min(1.0, (slots[t.name] + 0.5) / t.num_embeddings) if slots[t.name] else 0.0
-            for t, _ in fixed
-        }
-    return {
-        t.name: TablePlacement(placement=p, cache_fraction=fractions[t.name], precision=t.precision)
-        for t, p in fixed
-    }

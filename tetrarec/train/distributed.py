@@ -30,6 +30,12 @@ import torch
 
 from tetrarec.comm import LaunchInfo, init_from_env, second_group
 from tetrarec.config import RunConfig
+from tetrarec.config.tables import (
+    build_tables,
+    fixed_placements,
+    model_tables,
+    table_sharding_types,
+)
 from tetrarec.data import DenseTransform, TransformedDataset, build_datasets
 from tetrarec.planner import Topology, inputs_from_config
 from tetrarec.planner import plan as make_planned
@@ -40,15 +46,7 @@ from tetrarec.sharding import (
     plan_by_type,
     shard_model,
 )
-from tetrarec.train.build import (
-    RunParts,
-    build_parts,
-    build_tables,
-    fixed_placements,
-    model_embeddings,
-    model_tables,
-    table_sharding_types,
-)
+from tetrarec.train.build import RunParts, build_parts, model_embeddings
 
 __all__ = ["make_plan", "run_datasets", "sharded_parts", "sharding_env"]
 

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from tetrarec.comm import Communicator
 from tetrarec.config import RunConfig
+from tetrarec.config.tables import build_tables
 from tetrarec.data import (
     LOADERS,
     BatchLoader,
@@ -24,7 +25,7 @@ from tetrarec.data import (
     dense_spec,
     log_bad_lines,
 )
-from tetrarec.train.build import build_parts, build_tables, check_cache_dir
+from tetrarec.train.build import build_parts, check_cache_dir
 from tetrarec.train.checkpoint import read_meta
 from tetrarec.train.metrics import MetricAccumulator, Metrics, compute_metrics
 from tetrarec.train.state import check_same_cache, load_dense_transform, load_model_state

@@ -30,9 +30,9 @@ from torch import nn
 
 from tetrarec.cache import CachedEmbeddingBagCollection, CachePolicy, count_ids
 from tetrarec.config import RunConfig
+from tetrarec.config.tables import build_tables
 from tetrarec.data import BatchLoader, Dataset
 from tetrarec.sharding import ShardedEmbeddingBagCollection, ShardingEnv
-from tetrarec.train.build import build_tables
 from tetrarec.types import Placement
 
 __all__ = ["PinnedRows", "log_pinned", "pinned_rows", "sample_counts"]

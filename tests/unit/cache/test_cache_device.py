@@ -122,7 +122,8 @@ def test_a_cuda_run_builds_the_device_cache():
     with cached tables.
     """
     from tetrarec.config import RunConfig
-    from tetrarec.train.build import build_embeddings, build_tables
+    from tetrarec.config.tables import build_tables
+    from tetrarec.train.build import build_embeddings
 
     config = RunConfig().with_overrides(
         [

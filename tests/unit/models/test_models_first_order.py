@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tetrarec.config import RunConfig
+from tetrarec.config.tables import model_tables
 from tetrarec.embedding import (
     EmbeddingBagCollection,
     SparseOptimizerSpec,
@@ -15,7 +16,6 @@ from tetrarec.kernels import FusedEmbeddingBagCollection
 from tetrarec.models import DLRM, FIRST_ORDER_SUFFIX, DLRMConfig, FirstOrder, build_model
 from tetrarec.sparse import SparseFeatures
 from tetrarec.train import build_parts
-from tetrarec.train.build import model_tables
 
 ROWS = (6, 4)  # rows of tables t0, t1
 DIM = 4

@@ -10,8 +10,8 @@ import pytest
 
 from tetrarec.cli import main
 from tetrarec.config import RunConfig
+from tetrarec.config.tables import model_tables
 from tetrarec.sharding.plan import ShardingPlan
-from tetrarec.train.build import model_tables
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "criteo_kaggle_sample.toml"
 

@@ -191,8 +191,8 @@ def test_cli_on_the_criteo_sample_matches_an_independent_count(
     rows), a feature's counts are mixed with another's (a key-major offset error) or
     differ from a plain per-row count of the same rows."""
     from tetrarec.config import RunConfig
+    from tetrarec.config.tables import build_tables
     from tetrarec.data import build_datasets
-    from tetrarec.train.build import build_tables
 
     monkeypatch.chdir(REPO)  # the recipe's data path is relative to the checkout
     recipe = REPO / "examples" / "criteo_kaggle_sample.toml"
