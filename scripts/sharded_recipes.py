@@ -46,12 +46,12 @@ MIXED = (
 )
 
 
-def _recipe(config: str) -> tuple[int, int]:
-    """``(tables, global batch size)`` of a recipe."""
+def _recipe(config: str, overrides: tuple[str, ...] = ()) -> tuple[int, int]:
+    """``(tables, global batch size)`` of a recipe (with the run's overrides)."""
     sys.path.insert(0, str(ROOT))
     from tetrarec.config import RunConfig
 
-    run = RunConfig.from_toml(config)
+    run = RunConfig.from_toml(config, list(overrides))
     return run.model.num_sparse, run.data.batch_size
 
 
@@ -76,7 +76,9 @@ def _plan_overrides(plan: str, config: str) -> list[str]:
     return [f"sharding.type={plan}"]
 
 
-def _run(config: str, nproc: int, plan: str, work: Path, batch: int) -> dict[str, Any]:
+def _run(
+    config: str, nproc: int, plan: str, work: Path, batch: int, extra: list[str]
+) -> dict[str, Any]:
     name = f"{Path(config).stem}-{nproc}-{plan}"
     out = work / f"{name}.json"
     sets = [
@@ -84,6 +86,7 @@ def _run(config: str, nproc: int, plan: str, work: Path, batch: int) -> dict[str
         f"data.batch_size={batch}",
         f"train.checkpoint_dir={work / name}",
         f"train.json={out}",
+        *extra,
         *(_plan_overrides(plan, config) if nproc > 1 else []),
     ]
     exe = Path(sys.executable).parent
@@ -137,6 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-loss-tol", type=float, default=1e-5)
     p.add_argument("--json", help="write every run's metrics here")
     p.add_argument("--keep", help="keep checkpoints and logs in this directory")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        dest="overrides",
+        metavar="KEY=VALUE",
+        help="an override for every run (repeatable), e.g. train.steps=40",
+    )
     args = p.parse_args(argv)
     configs = args.config or list(DEFAULT_CONFIGS)
     nprocs = [int(x) for x in args.nproc.split(",")]
@@ -147,13 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     every: list[dict[str, Any]] = []
     failed = False
     for config in configs:
-        batch = _batch_for(_recipe(config)[1], nprocs)
-        if batch != _recipe(config)[1]:
+        given = _recipe(config, tuple(args.overrides))[1]
+        batch = _batch_for(given, nprocs)
+        if batch != given:
             print(
-                f"\n{config}: data.batch_size {_recipe(config)[1]} does not split over "
+                f"\n{config}: data.batch_size {given} does not split over "
                 f"{args.nproc} ranks; every run of it (one process too) uses {batch}"
             )
-        base = _run(config, 1, "-", work, batch)
+        base = _run(config, 1, "-", work, batch, args.overrides)
         every.append(base)
         if "error" in base:
             print(f"{base['name']}: {base['error']}")
@@ -166,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         print(head)
         for nproc in nprocs:
             for plan in plans:
-                run = _run(config, nproc, plan, work, batch) if nproc > 1 else base
+                run = _run(config, nproc, plan, work, batch, args.overrides) if nproc > 1 else base
                 every.append(run)
                 label = f"{nproc} ranks, {plan}"
                 if "error" in run:

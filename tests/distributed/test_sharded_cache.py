@@ -83,6 +83,15 @@ CASES = [
         exact=False,
     ),
     case("row_wise/int8/all-cached", ("row_wise",), "int8", ROWWISE, fraction=1.0, exact=False),
+    # table-row-wise on one node of 2 ranks: each rank caches its row block
+    case(
+        "table_row_wise/fp16/adagrad/all-cached",
+        ("table_row_wise",),
+        "fp16",
+        ADAGRAD,
+        fraction=1.0,
+        exact=False,
+    ),
     case("mixed/fp16/sgd", ("row_wise", "table_wise"), "fp16", SGD, fraction=1.0, exact=False),
 ]
 

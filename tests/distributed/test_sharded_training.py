@@ -79,6 +79,10 @@ STATIC = (
     "model.cache.static_sample_batches=3",
     "sharding.type=[data_parallel, table_wise, row_wise, data_parallel]",
 )
+# The first-order term (a weight per row and per dense input, Adagrad): its dim-1 tables
+# are planned and sharded as their embedding tables are (each takes its table's type).
+FIRST_ORDER = ("model.dlrm.first_order=true", "model.dlrm.first_order_lr=0.1",
+               "model.dlrm.first_order_weight_decay=0.01")  # fmt: skip
 # Fitted statistics (every rank must apply rank 0's; a resume must reuse the saved ones).
 DENSE = ("data.dense_transform=standardize", "data.dense_clip=[-1.5, 1.5]")
 
@@ -129,6 +133,15 @@ def two_ranks(tmp_path_factory):
         Scenario("cached_dp_first_half", (*TINY, *CACHED_DP, "train.steps=3", ck("dresumed"))),
         Scenario("cached_dp_second_half", (*TINY, *CACHED_DP, ck("dresumed")), resume=True),
         Scenario("static", (*TINY, *STATIC, ck("static"))),
+        Scenario("first_order", (*TINY, MIXED, *FIRST_ORDER, "train.checkpoint_every=3",
+                                 ck("fo"))),
+        Scenario("first_order_first_half", (*TINY, MIXED, *FIRST_ORDER, "train.steps=3",
+                                            ck("foresumed"))),
+        Scenario("first_order_second_half", (*TINY, MIXED, *FIRST_ORDER, ck("foresumed")),
+                 resume=True),
+        Scenario("first_order_row_wise", (*TINY, "sharding.type=row_wise", *FIRST_ORDER)),
+        Scenario("first_order_cached", (*TINY, *CACHED, *FIRST_ORDER)),
+        Scenario("first_order_planned", (*TINY, *FIRST_ORDER, "optim.sparse.kind=sgd")),
         Scenario("rank_1_other_config", TINY, rank_overrides=((1, ("optim.sparse.lr=0.2",)),)),
         Scenario("unknown_table", (*TINY, f"sharding.plan={tmp / 'unknown.json'}")),
         Scenario("block_not_dividing", (*TINY, "sharding.type=column_wise",
@@ -160,6 +173,60 @@ def test_sharded_training_ends_with_one_process_metrics(two_ranks, name, extra):
         assert got["num_samples"] == ref["num_samples"] == 289, rank
         assert abs(got["log_loss"] - ref["log_loss"]) < 1e-5, (rank, got, ref)
         assert abs(got["auc"] - ref["auc"]) < 1e-4, (rank, got, ref)
+
+
+@pytest.mark.parametrize(
+    ("name", "extra"),
+    [
+        ("first_order", (MIXED, *FIRST_ORDER)),
+        ("first_order_row_wise", ("sharding.type=row_wise", *FIRST_ORDER)),
+        ("first_order_cached", (*CACHED, *FIRST_ORDER)),
+        ("first_order_planned", (*FIRST_ORDER, "optim.sparse.kind=sgd")),
+    ],
+)
+def test_a_first_order_term_shards_and_trains_as_one_process(two_ranks, name, extra):
+    """The first-order term's tables are sharded like the model's (a mixed plan, row-wise,
+    beside cached tables, and the planner's plan). Bugs caught: the term's rows left
+    replicated and updated with one rank's gradients only, its tables missing from the
+    plan (refused), a rank's first-order rows looked up for another rank's samples, or
+    a first-order table given another optimizer than one process's Adagrad."""
+    results, _ = two_ranks
+    ref = one_process(*extra)["final"]
+    for rank, res in enumerate(results[name]):
+        assert res["ok"], res
+        got = res["final"]
+        assert got["num_samples"] == ref["num_samples"] == 289, rank
+        assert abs(got["log_loss"] - ref["log_loss"]) < 1e-5, (rank, got, ref)
+        assert abs(got["auc"] - ref["auc"]) < 1e-4, (rank, got, ref)
+
+
+def test_a_sharded_first_order_term_resumes_bitwise_from_each_ranks_blocks(two_ranks):
+    """Each rank writes its own first-order blocks and their Adagrad sums; rank 0 writes
+    the term's dense weights once. Bugs caught: the term's rows saved by rank 0 only (the
+    other rank's blocks lost), its Adagrad state not saved, a rank loading rank 0's
+    blocks on resume."""
+    results, tmp = two_ranks
+    for name in ("first_order", "first_order_first_half", "first_order_second_half"):
+        assert all(r["ok"] for r in results[name]), results[name]
+    a, b = tmp / "fo" / "step_00000006", tmp / "foresumed" / "step_00000006"
+    for f in ("rank_00000.safetensors", "rank_00001.safetensors", "tensors.safetensors"):
+        ta, tb = load_file(str(a / f)), load_file(str(b / f))
+        assert ta.keys() == tb.keys(), f
+        for k in ta:
+            assert (ta[k] == tb[k]).all(), (f, k)
+    dense = load_file(str(a / "tensors.safetensors"))
+    assert "model.first_order.dense.weight" in dense
+    assert not any(k.startswith("model.first_order.rows.") for k in dense)
+    for r in (0, 1):
+        mine = load_file(str(a / f"rank_0000{r}.safetensors"))
+        assert any(k.startswith("model.first_order.rows.") for k in mine), r
+        assert any(k.startswith("model.first_order.optim.") for k in mine), r
+        assert "model.first_order.dense.weight" not in mine
+    meta = json.loads((a / "meta.json").read_text())["sharding"]
+    planned = {t["table"] for t in meta["plan"]["tables"]}
+    assert {"C1_first_order", "C4_first_order"} <= planned
+    held = {e["table"] for r in meta["ranks"] for e in r["shards"]}
+    assert held == planned  # every table's blocks are somewhere, the term's too
 
 
 def test_an_evaluation_batch_that_does_not_divide_by_the_ranks_evaluates_every_row(two_ranks):

@@ -5,7 +5,9 @@ cases: {sum, sum with per-id weights, mean pooling} x {row-wise Adagrad, Adam} o
 rows, one on FP16 rows with stochastic rounding, and one that trains one step in one
 process and then shards the trained collection (``shard_collection``); 3 training steps
 and an evaluation pass each. The tables have row counts not divisible by any world size
-(11, 7, 5) and one table is looked up by two features. TW/RW/CW/DP and a mixed plan run
+(11, 7, 5) and one table is looked up by two features. Per type, two more cases train a
+DLRM's first-order tables (dim 1, FP32, zero-initialized, Adagrad), plain and weighted.
+TW/RW/CW/DP and a mixed plan run
 at world sizes 2 and 3; TWRW/TWCW (and a mixed hierarchical plan) at 4 = 2 nodes x 2
 ranks. One spawn per world size runs all its cases.
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 import pytest
 
 from tetrarec.embedding import SparseOptimizerSpec, TableConfig
+from tetrarec.models import first_order_optimizer, first_order_tables
 from tetrarec.testing import run_ranks
 from tetrarec.testing.equivalence import (
     EquivalenceCase,
@@ -117,8 +120,32 @@ def cases_for(types: dict[str, tuple[tuple[str, ...], bool, bool]]) -> list[Equi
     return out
 
 
-CASES_FLAT = cases_for(FLAT_TYPES)
-CASES_NODES = cases_for(NODE_TYPES)
+def first_order_cases(
+    types: dict[str, tuple[tuple[str, ...], bool, bool]],
+) -> list[EquivalenceCase]:
+    """A DLRM's first-order term's tables (``first_order_tables``: dim 1, FP32, starting
+    at 0, Adagrad with lazy L2) under each type: a dim-1 table cannot be split by
+    columns, and its rows start equal, so a mix-up of rows shows only once they train."""
+    fo = first_order_tables(tables("sum"))
+    opt = first_order_optimizer(lr=0.1, weight_decay=0.01)
+    return [
+        EquivalenceCase(
+            name=f"{name}/first_order/{label}",
+            tables=fo,
+            types=kinds,
+            optimizer=opt,
+            weighted=weighted,
+            weight_grad=weighted,
+            steps=3,
+            exact=exact_elementwise,
+        )
+        for name, (kinds, exact_elementwise, _) in types.items()
+        for label, weighted in (("sum", False), ("sum-weighted", True))
+    ]
+
+
+CASES_FLAT = cases_for(FLAT_TYPES) + first_order_cases(FLAT_TYPES)
+CASES_NODES = cases_for(NODE_TYPES) + first_order_cases(NODE_TYPES)
 RTOL, ATOL = 1e-5, 1e-6
 
 
