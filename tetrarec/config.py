@@ -72,7 +72,7 @@ from tetrarec.data.config import DataConfig, expand_home
 from tetrarec.embedding import SparseOptimizerSpec
 from tetrarec.kernels.quant import SUPPORTED_PRECISIONS
 from tetrarec.models import DLRMConfig
-from tetrarec.types import Placement, PoolingMode, Precision, ShardingType
+from tetrarec.types import OpenEnum, Placement, PoolingMode, Precision, ShardingType
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -693,7 +693,7 @@ def config_to_dict(obj: Any) -> Any:
         return jsonio.inf_text(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return _fields_to_dict(obj)
-    if isinstance(obj, enum.Enum):
+    if isinstance(obj, enum.Enum | OpenEnum):  # OpenEnum: ShardingType
         return obj.value
     if isinstance(obj, tuple | list):
         return [config_to_dict(v) for v in obj]
@@ -760,7 +760,7 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
     section = _dataclass_of(hint)
     if section is not None:
         return config_from_dict(section, value, where)
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+    if isinstance(hint, type) and issubclass(hint, enum.Enum | OpenEnum):
         if isinstance(value, hint):
             return value
         valid = ", ".join(str(m.value) for m in hint)
