@@ -9,12 +9,14 @@ state values a row needs.
 from __future__ import annotations
 
 import enum
-from typing import Self
+from collections.abc import Iterator
+from typing import Any, ClassVar, Self
 
 import torch
 
 __all__ = [
     "NamedEnum",
+    "OpenEnum",
     "OptimizerKind",
     "Placement",
     "PoolingMode",
@@ -154,17 +156,154 @@ class OptimizerKind(NamedEnum):
         return self in (OptimizerKind.ADAM, OptimizerKind.ROWWISE_ADAM)
 
 
-class ShardingType(NamedEnum):
-    """How one table is placed over ranks."""
+class _OpenEnumType(type):
+    """The metaclass of ``OpenEnum``: a class iterates over its members, as an enum does."""
 
+    _members: dict[str, Any]  # each class's own, set by OpenEnum.__init_subclass__
+
+    def __iter__(cls) -> Iterator[Any]:
+        return iter(tuple(cls._members.values()))
+
+    def __len__(cls) -> int:
+        return len(cls._members)
+
+
+class OpenEnum(metaclass=_OpenEnumType):
+    """A ``NamedEnum`` whose set of members can grow after the class is made.
+
+    Members behave as enum members do: ``member.value`` is the lower-case text of config
+    files and JSON, ``member.name`` its upper-case spelling, ``Cls(value)`` looks one up
+    (``ValueError`` if there is none), ``parse`` reads config text, members compare with
+    ``is``, pickle by value and iterate in declaration order. The built-in members are
+    declared next to the class; ``declare`` adds one later (a plug-in, a test), and the
+    new member is as good as a built-in everywhere (``parse``, JSON, ``is``). A process
+    that unpickles or parses a declared member must have declared it first.
+
+    Why not an ``enum.Enum``: an enum's members are fixed when its class is made, and
+    adding one afterwards means writing the enum module's private tables.
+    """
+
+    __slots__ = ("_name", "_value")
+    _name: str
+    _value: str
+    #: The noun used in error messages ("unknown sharding type 'x'; valid: ...").
+    __noun__: ClassVar[str] = "value"
+    _members: ClassVar[dict[str, Any]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._members = {}
+
+    def __new__(cls, value: str) -> Self:
+        """The member whose value is ``value`` (as ``Enum(value)``).
+
+        Raises:
+            ValueError: if no member has that value.
+        """
+        member = cls._members.get(value) if isinstance(value, str) else None
+        if member is None:
+            raise ValueError(f"{value!r} is not a valid {cls.__name__}")
+        return member  # type: ignore[no-any-return]  # _members holds cls's members
+
+    @classmethod
+    def declare(cls, value: str) -> Self:
+        """Add the member ``value`` (lower-case: letters, digits, ``_``), or return it.
+
+        Declaring a value twice returns the same member, so a module that declares one
+        may be imported again (a spawned process re-imports it).
+
+        Raises:
+            ValueError: if ``value`` is not a lower-case identifier.
+        """
+        if value in cls._members:
+            return cls._members[value]  # type: ignore[no-any-return]  # cls's members
+        if not (isinstance(value, str) and value.isidentifier() and value == value.lower()):
+            raise ValueError(f"a {cls.__noun__} is named by a lower-case identifier, got {value!r}")
+        name = value.upper()
+        if hasattr(cls, name):
+            raise ValueError(f"{cls.__name__}.{name} exists already: pick another name")
+        member = object.__new__(cls)
+        object.__setattr__(member, "_name", name)
+        object.__setattr__(member, "_value", value)
+        cls._members[value] = member
+        type.__setattr__(cls, name, member)
+        return member
+
+    @classmethod
+    def parse(cls, value: str | Self) -> Self:
+        """Return the member named by ``value`` (case-insensitive), or ``value`` itself.
+
+        Raises:
+            ValueError: if ``value`` names no member; the message lists the valid ones.
+        """
+        if isinstance(value, cls):
+            return value
+        member = cls._members.get(str(value).lower())
+        if member is None:
+            valid = ", ".join(cls._members)
+            raise ValueError(f"unknown {cls.__noun__} {value!r}; valid: {valid}")
+        return member  # type: ignore[no-any-return]  # _members holds cls's members
+
+    @property
+    def name(self) -> str:
+        """The upper-case name (``TABLE_WISE``)."""
+        return self._name
+
+    @property
+    def value(self) -> str:
+        """The lower-case value (``table_wise``): the config and JSON form."""
+        return self._value
+
+    def __setattr__(self, key: str, value: object) -> None:
+        raise AttributeError(f"{type(self).__name__} members are read-only")
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__}.{self._name}: {self._value!r}>"
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}.{self._name}"
+
+    def __reduce__(self) -> tuple[type[Self], tuple[str]]:
+        return type(self), (self._value,)
+
+    def __copy__(self) -> Self:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Self:
+        return self
+
+
+class ShardingType(OpenEnum):
+    """How one table is placed over ranks: the six built-ins, and any type declared later.
+
+    A new type is declared once (``ShardingType.declare("my_type")``) and registered
+    with its strategy (``tetrarec.sharding.strategy.register``).
+    """
+
+    __slots__ = ()
     __noun__ = "sharding type"
 
-    TABLE_WISE = "table_wise"
-    ROW_WISE = "row_wise"
-    COLUMN_WISE = "column_wise"
-    DATA_PARALLEL = "data_parallel"
-    TABLE_ROW_WISE = "table_row_wise"
-    TABLE_COLUMN_WISE = "table_column_wise"
+    TABLE_WISE: ClassVar[ShardingType]
+    ROW_WISE: ClassVar[ShardingType]
+    COLUMN_WISE: ClassVar[ShardingType]
+    DATA_PARALLEL: ClassVar[ShardingType]
+    TABLE_ROW_WISE: ClassVar[ShardingType]
+    TABLE_COLUMN_WISE: ClassVar[ShardingType]
+
+
+for _value in (
+    "table_wise",
+    "row_wise",
+    "column_wise",
+    "data_parallel",
+    "table_row_wise",
+    "table_column_wise",
+):
+    ShardingType.declare(_value)
+del _value
 
 
 class Placement(NamedEnum):

@@ -19,6 +19,7 @@ import typing
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tetrarec import jsonio
+from tetrarec.types import OpenEnum
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -39,7 +40,7 @@ def config_to_dict(obj: Any) -> Any:
         return jsonio.inf_text(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return _fields_to_dict(obj)
-    if isinstance(obj, enum.Enum):
+    if isinstance(obj, enum.Enum | OpenEnum):  # OpenEnum: ShardingType
         return obj.value
     if isinstance(obj, tuple | list):
         return [config_to_dict(v) for v in obj]
@@ -106,7 +107,7 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
     section = _dataclass_of(hint)
     if section is not None:
         return config_from_dict(section, value, where)
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+    if isinstance(hint, type) and issubclass(hint, enum.Enum | OpenEnum):
         if isinstance(value, hint):
             return value
         valid = ", ".join(str(m.value) for m in hint)

@@ -9,13 +9,18 @@ memory tier and a row precision, and say why.
 ``plan(inputs)`` returns a ``ShardingPlan`` (validated against the tables) and a
 ``PlanReport``; ``inputs_from_config`` builds the inputs from a run config, a
 ``Topology`` and optional ``tetrarec stats`` statistics. It never runs kernels or
-collectives. Formulas: ``cost.py``; search: ``search.py``; ``docs/design/planner.md``.
+collectives. Formulas: ``cost.py``; search: ``search.py`` (candidates:
+``candidates.py``; greedy placement: ``partition.py``; local improvement: ``refine.py``);
+``docs/design/planner.md``. The planner names no sharding type: it reads each type's cost
+terms and candidate shard counts from the strategy registry
+(``tetrarec.sharding.strategy``).
 """
 
 from __future__ import annotations
 
 import time
 
+from tetrarec.planner.candidates import candidates
 from tetrarec.planner.cost import Option
 from tetrarec.planner.inputs import (
     AccessStats,
@@ -31,7 +36,6 @@ from tetrarec.planner.search import (
     PlannerError,
     Shortfall,
     TableChoice,
-    candidates,
     fit_precisions,
     search,
 )

@@ -7,10 +7,16 @@ dim, ``c`` the columns of a shard, ``n`` the rows of a shard, ``N`` the table's 
 optimizer-state bytes of that row (FP32 values, step counts included), ``I = 8`` bytes
 per id, ``E = 4`` bytes per pooled value (FP32).
 
-**Ids a shard looks up per step** (``ids``): TW and CW/TWCW blocks ``B P`` (every id of
-the table's features), RW ``B P n / N``, TWRW ``B P n / N`` (its row block of the node's).
-A DP replica pools its own samples' ``b P`` ids forward and applies the global batch's
-update backward (``B P`` ids: every replica makes the one-process update).
+The formulas never name a sharding type: they read its strategy's cost terms
+(``tetrarec.sharding.strategy.CostTerms``: how it splits a table, over which ranks,
+whether it is replicated) and its group. Below, TW, RW, CW, DP, TWRW and TWCW say what
+the built-in types' terms give.
+
+**Ids a shard looks up per step** (``ids``): whole tables and column blocks (TW, CW,
+TWCW) ``B P`` (every id of the table's features), row blocks (RW, TWRW) ``B P n / N``
+(their share of the rows). A replica (DP) pools its own samples' ``b P`` ids forward and
+applies the global batch's update backward (``B P`` ids: every replica makes the
+one-process update).
 
 **Storage of a shard** (in its tier ``t``; a cached placement keeps the hottest
 ``f`` (1% or 5%, or the config's fraction) of its rows again in the next faster tier,
@@ -107,6 +113,7 @@ from dataclasses import dataclass
 
 from tetrarec.planner.inputs import PlannerInputs, TableSpec
 from tetrarec.planner.topology import TIER_ORDER, Tier, Topology
+from tetrarec.sharding.strategy import STRATEGIES, CostTerms, ShardingStrategy, Split
 from tetrarec.types import OptimizerKind, Precision, ShardingType
 
 __all__ = [
@@ -131,15 +138,6 @@ __all__ = [
 ID_BYTES = 8  # int64 ids
 OUT_BYTES = 4  # FP32 pooled values and their gradients
 
-#: The group each type runs in (as ``sharding.strategy``): latency is paid per group used.
-GROUP_OF = {
-    ShardingType.TABLE_WISE: "block",
-    ShardingType.COLUMN_WISE: "block",
-    ShardingType.TABLE_COLUMN_WISE: "block",
-    ShardingType.ROW_WISE: "row",
-    ShardingType.TABLE_ROW_WISE: "row",
-    ShardingType.DATA_PARALLEL: "replicated",
-}
 #: ``split``: the column blocks of split tables sharing row-wise optimizer state.
 COLLECTIVES_PER_GROUP = {"block": 4, "row": 4, "replicated": 3, "split": 1}
 #: The groups with calibrated routing rates (``RankResources.route_rates``).
@@ -153,15 +151,6 @@ FP32_BYTES = 4
 #: per row of the table (its slot, int32); LFU's per-row count (8 more) is not counted.
 SLOT_MAP_BYTES_PER_SLOT = 17
 SLOT_MAP_BYTES_PER_ROW = 4
-
-SHORT = {
-    ShardingType.TABLE_WISE: "TW",
-    ShardingType.ROW_WISE: "RW",
-    ShardingType.COLUMN_WISE: "CW",
-    ShardingType.DATA_PARALLEL: "DP",
-    ShardingType.TABLE_ROW_WISE: "TWRW",
-    ShardingType.TABLE_COLUMN_WISE: "TWCW",
-}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,10 +179,21 @@ class Option:
             return self.tier.value
         return f"{self.tier.value}+{self.cache_tier.value} cache {self.cache_fraction:.0%}"
 
+    @property
+    def strategy(self) -> ShardingStrategy:
+        """The registered strategy of the sharding type."""
+        return STRATEGIES[self.sharding]
+
+    @property
+    def terms(self) -> CostTerms:
+        """The sharding type's cost terms."""
+        return STRATEGIES[self.sharding].cost
+
     def label(self) -> str:
-        """``"CW/4 host fp16"``."""
-        kind = SHORT[self.sharding]
-        if self.sharding in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE):
+        """``"CW/4 host fp16"`` (column-split types show their block count)."""
+        terms = self.terms
+        kind = terms.label
+        if terms.split is Split.COLUMNS:
             kind += f"/{self.blocks}"
         return f"{kind} {self.placement()} {self.precision.value}"
 
@@ -278,9 +278,10 @@ def tier_seconds_per_byte(topo: Topology, option: Option, table: TableSpec) -> f
 def shard_ids(inputs: PlannerInputs, table: TableSpec, option: Option, rows: int) -> float:
     """Ids a shard of ``rows`` rows looks up per step (module docstring)."""
     ids = inputs.batch_size * table.pooling
-    if option.sharding in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
+    terms = option.terms
+    if terms.split is Split.ROWS:
         return ids * rows / table.rows
-    if option.sharding is ShardingType.DATA_PARALLEL:
+    if terms.replicated:
         return ids / inputs.topology.world_size
     return ids
 
@@ -295,27 +296,28 @@ def shard_cost(
     topo = inputs.topology
     rb = table.row_bytes(option.precision, cols)
     sb = table.state_bytes(cols)
+    terms = option.terms
     ids = shard_ids(inputs, table, option, rows)
     ids_bwd = ids
-    if option.sharding is ShardingType.DATA_PARALLEL:
+    if terms.replicated:
         ids_bwd = inputs.batch_size * table.pooling  # the global batch's update
     u_fwd = _distinct(table, option, ids, rows)
     u_bwd = _distinct(table, option, ids_bwd, rows)
     moved = u_fwd * rb + u_bwd * (2 * rb + 2 * sb)
     per_id = ids + ids_bwd
-    if option.sharding in _BLOCKS and option.blocks > 1 and table.optimizer in ROWWISE_KINDS:
+    if _shares_row_state(table, option):
         moved += u_bwd * rb  # the row-gradient shares the blocks exchange
         per_id += ids_bwd
     rate = topo.rank.lookup_ids_per_s
     lookup_s = moved * tier_seconds_per_byte(topo, option, table) + (
         per_id / rate if rate > 0 else 0.0
     )
-    if option.sharding is ShardingType.DATA_PARALLEL:
+    if terms.replicated:
         out = 0.0
         buffers = 0.0
         ids_in = 0.0
     else:
-        width = table.dim if option.sharding in _PARTIAL_SUMS else cols
+        width = table.dim if terms.partial_sums else cols
         out = inputs.batch_size * width * OUT_BYTES
         ids_in = ids * ID_BYTES
         buffers = ids_in + 2 * out
@@ -348,15 +350,16 @@ def shard_cost(
 
 
 def _distinct(table: TableSpec, option: Option, ids: float, rows: int) -> float:
-    """Distinct rows among a shard's ``ids`` (row-wise: its share of the table's)."""
-    if option.sharding in _PARTIAL_SUMS:
+    """Distinct rows among a shard's ``ids`` (row blocks: its share of the table's)."""
+    if option.terms.split is Split.ROWS:
         share = rows / table.rows
         return table.distinct(ids / share) * share if share > 0 else 0.0
     return table.distinct(ids)
 
 
-_PARTIAL_SUMS = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
-_BLOCKS = (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
+def _shares_row_state(table: TableSpec, option: Option) -> bool:
+    """Whether several blocks of ``table`` share a row-wise optimizer's per-row state."""
+    return option.terms.shares_row_state and option.blocks > 1 and table.optimizer in ROWWISE_KINDS
 
 
 def uniform_cost(inputs: PlannerInputs, table: TableSpec, option: Option) -> Uniform:
@@ -364,7 +367,8 @@ def uniform_cost(inputs: PlannerInputs, table: TableSpec, option: Option) -> Uni
     topo = inputs.topology
     w = topo.world_size
     local_batch = inputs.batch_size / w
-    if option.sharding is ShardingType.DATA_PARALLEL:
+    terms = option.terms
+    if terms.replicated:
         mine = local_batch * (table.pooling * ID_BYTES + table.dim * OUT_BYTES)
         # buffers: every rank's ids and gradients, gathered
         return Uniform(
@@ -373,7 +377,7 @@ def uniform_cost(inputs: PlannerInputs, table: TableSpec, option: Option) -> Uni
             buffers=w * mine,
             seconds=route_seconds(inputs, table, option),
         )
-    if option.sharding in _PARTIAL_SUMS:
+    if terms.partial_sums:
         answered = option.blocks * local_batch * table.dim * OUT_BYTES
     else:
         answered = local_batch * table.dim * OUT_BYTES  # the blocks' widths sum to d
@@ -412,8 +416,8 @@ def route_seconds(inputs: PlannerInputs, table: TableSpec, option: Option) -> fl
 
 def option_groups(table: TableSpec, option: Option) -> frozenset[str]:
     """The collective groups a table stored as ``option`` takes part in (module docstring)."""
-    group = GROUP_OF[option.sharding]
-    if option.sharding in _BLOCKS and option.blocks > 1 and table.optimizer in ROWWISE_KINDS:
+    group = option.strategy.group
+    if _shares_row_state(table, option):
         return frozenset((group, "split"))
     return frozenset((group,))
 

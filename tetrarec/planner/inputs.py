@@ -31,7 +31,7 @@ from tetrarec.embedding import TableConfig
 from tetrarec.models import first_order_optimizer
 from tetrarec.planner.topology import Topology
 from tetrarec.sharding.plan import TablePlacement
-from tetrarec.types import OptimizerKind, Precision
+from tetrarec.types import OptimizerKind, Precision, ShardingType
 
 if TYPE_CHECKING:
     from tetrarec.config import RunConfig
@@ -109,6 +109,8 @@ class TableSpec:
         placement: where the config fixes the rows (its ``cached`` and ``ssd``
             tables: a run keeps them there whatever its plan says), so the planner
             chooses only the sharding; ``None``: the planner chooses the tier too.
+        shardings: the sharding types the planner may choose from (default: every
+            registered type whose cost terms say ``offered``).
 
     Raises:
         ValueError: on a bad size or stats that do not match ``features``.
@@ -123,6 +125,7 @@ class TableSpec:
     optimizer: OptimizerKind = OptimizerKind.ROWWISE_ADAGRAD
     stats: tuple[AccessStats, ...] = ()
     placement: TablePlacement | None = None
+    shardings: tuple[ShardingType, ...] = ()
 
     def __post_init__(self) -> None:
         if self.rows <= 0 or self.dim <= 0:

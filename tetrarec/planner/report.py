@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tetrarec import jsonio
+from tetrarec.planner.candidates import option_of
 from tetrarec.planner.cost import (
     Option,
     dense_seconds,
@@ -29,10 +30,10 @@ from tetrarec.planner.cost import (
     uniform_cost,
 )
 from tetrarec.planner.inputs import PlannerInputs
-from tetrarec.planner.search import TableChoice, option_of
+from tetrarec.planner.search import TableChoice
 from tetrarec.planner.topology import TIER_ORDER
 from tetrarec.sharding.plan import ShardingPlan
-from tetrarec.types import ShardingType
+from tetrarec.sharding.strategy import STRATEGIES, Split
 
 __all__ = ["PlanReport", "RankReport", "TableReport", "evaluate", "plot_report", "predict"]
 
@@ -319,7 +320,7 @@ def predict(inputs: PlannerInputs, plan: ShardingPlan) -> PlanReport:
     choices = []
     for tp in plan:
         table = by_name[tp.table]
-        if tp.sharding in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE):
+        if STRATEGIES[tp.sharding].cost.split is Split.COLUMNS:
             blocks = len({s.cols for s in tp.shards})
         else:
             blocks = len(tp.shards)

@@ -21,10 +21,29 @@ from collections.abc import Sequence
 
 from tetrarec.embedding import TableConfig
 from tetrarec.sharding.plan import Shard, ShardingPlan, TablePlan
-from tetrarec.sharding.strategy import PlacementContext, check_tiling, register, split_evenly
+from tetrarec.sharding.strategy import (
+    CandidateContext,
+    CostTerms,
+    PlacementContext,
+    Split,
+    check_tiling,
+    register,
+    split_evenly,
+)
 from tetrarec.types import ShardingType
 
-__all__ = ["ColumnWise", "column_shards", "validate_column_blocks"]
+__all__ = [
+    "CANDIDATE_BLOCKS",
+    "MIN_BLOCK_COLUMNS",
+    "ColumnWise",
+    "column_shards",
+    "validate_column_blocks",
+]
+
+#: The column block counts the planner tries for a column-wise table.
+CANDIDATE_BLOCKS = (2, 4, 8, 16)
+#: The narrowest column block the planner makes (narrower ones cost more than they balance).
+MIN_BLOCK_COLUMNS = 16
 
 
 def column_shards(table: TableConfig, ranks: Sequence[int], block: int | None) -> tuple[Shard, ...]:
@@ -74,6 +93,18 @@ class ColumnWise:
 
     sharding_type = ShardingType.COLUMN_WISE
     group = "block"  # runs in the block group
+    cost = CostTerms(label="CW", order=2, split=Split.COLUMNS)
+
+    def candidate_blocks(self, ctx: CandidateContext) -> tuple[int, ...]:
+        """The ``CANDIDATE_BLOCKS`` counts the world and the dim allow.
+
+        At most one block per rank, equal blocks of ``MIN_BLOCK_COLUMNS`` columns or more.
+        """
+        return tuple(
+            k
+            for k in CANDIDATE_BLOCKS
+            if k <= ctx.world_size and ctx.dim % k == 0 and ctx.dim // k >= MIN_BLOCK_COLUMNS
+        )
 
     def place(self, table: TableConfig, ctx: PlacementContext) -> tuple[Shard, ...]:
         """Blocks over the ranks, least loaded first."""

@@ -45,11 +45,21 @@ from tetrarec.sharding.env import ShardingEnv
 from tetrarec.sharding.group import LocalShard, LookupOptions, ShardedGroup
 from tetrarec.sharding.plan import Shard, ShardingPlan, TablePlan
 from tetrarec.sharding.routing import Routed, regroup_key_major
-from tetrarec.sharding.strategy import PlacementContext, register, register_group
+from tetrarec.sharding.strategy import (
+    CandidateContext,
+    CostTerms,
+    PlacementContext,
+    Split,
+    register,
+    register_group,
+)
 from tetrarec.sparse import SparseFeatures
 from tetrarec.types import ShardingType
 
-__all__ = ["DataParallel", "ReplicatedGroup"]
+__all__ = ["DP_MAX_BYTES", "DataParallel", "ReplicatedGroup"]
+
+#: The largest table (weights + state) the planner tries to replicate on every rank.
+DP_MAX_BYTES = 16 * 2**20
 
 
 class ReplicatedGroup(ShardedGroup):
@@ -220,6 +230,12 @@ class DataParallel:
 
     sharding_type = ShardingType.DATA_PARALLEL
     group = "replicated"  # runs in the replicated group
+    cost = CostTerms(label="DP", order=3, split=Split.WHOLE, replicated=True)
+
+    def candidate_blocks(self, ctx: CandidateContext) -> tuple[int, ...]:
+        """A copy per rank, for a table of at most ``DP_MAX_BYTES`` on several ranks."""
+        w = ctx.world_size
+        return (w,) if w > 1 and ctx.table_bytes <= DP_MAX_BYTES else ()
 
     def place(self, table: TableConfig, ctx: PlacementContext) -> tuple[Shard, ...]:
         """A full copy on every rank."""

@@ -31,7 +31,10 @@ from tetrarec.sharding.group import LocalShard, LookupOptions, ShardedGroup
 from tetrarec.sharding.plan import Shard, ShardingPlan, TablePlan
 from tetrarec.sharding.routing import Outgoing, Routed, route_features, send_pooled
 from tetrarec.sharding.strategy import (
+    CandidateContext,
+    CostTerms,
     PlacementContext,
+    Split,
     check_tiling,
     register,
     register_group,
@@ -256,6 +259,12 @@ class RowWise:
 
     sharding_type = ShardingType.ROW_WISE
     group = "row"  # runs in the row group
+    cost = CostTerms(label="RW", order=1, split=Split.ROWS, lookahead=True)
+
+    def candidate_blocks(self, ctx: CandidateContext) -> tuple[int, ...]:
+        """One row block per rank, when there are several ranks and a row for each."""
+        w = ctx.world_size
+        return (w,) if w > 1 and ctx.rows >= w else ()
 
     def place(self, table: TableConfig, ctx: PlacementContext) -> tuple[Shard, ...]:
         """Rows split evenly over every rank."""

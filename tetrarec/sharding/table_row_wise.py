@@ -16,7 +16,14 @@ from __future__ import annotations
 from tetrarec.embedding import TableConfig
 from tetrarec.sharding.plan import Shard, ShardingPlan, TablePlan
 from tetrarec.sharding.row_wise import row_shards, validate_row_blocks
-from tetrarec.sharding.strategy import PlacementContext, register
+from tetrarec.sharding.strategy import (
+    CandidateContext,
+    CostTerms,
+    PlacementContext,
+    Span,
+    Split,
+    register,
+)
 from tetrarec.types import ShardingType
 
 __all__ = ["TableRowWise", "check_one_node"]
@@ -41,6 +48,12 @@ class TableRowWise:
 
     sharding_type = ShardingType.TABLE_ROW_WISE
     group = "row"  # runs in the row group
+    cost = CostTerms(label="TWRW", order=4, split=Split.ROWS, span=Span.NODE)
+
+    def candidate_blocks(self, ctx: CandidateContext) -> tuple[int, ...]:
+        """One row block per rank of a node, on several nodes of several ranks."""
+        local = ctx.local_world_size
+        return (local,) if ctx.nodes > 1 and local > 1 and ctx.rows >= local else ()
 
     def place(self, table: TableConfig, ctx: PlacementContext) -> tuple[Shard, ...]:
         """Rows split over the ranks of the least-loaded node."""

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from tetrarec.embedding import TableConfig
 from tetrarec.sharding.plan import Shard, ShardingPlan, TablePlan
-from tetrarec.sharding.strategy import PlacementContext, register
+from tetrarec.sharding.strategy import (
+    CandidateContext,
+    CostTerms,
+    PlacementContext,
+    Split,
+    register,
+)
 from tetrarec.types import ShardingType
 
 __all__ = ["TableWise"]
@@ -21,6 +27,11 @@ class TableWise:
 
     sharding_type = ShardingType.TABLE_WISE
     group = "block"  # runs in the block group
+    cost = CostTerms(label="TW", order=0, split=Split.WHOLE, baseline=True, lookahead=True)
+
+    def candidate_blocks(self, ctx: CandidateContext) -> tuple[int, ...]:
+        """One whole shard, in any world."""
+        return (1,)
 
     def place(self, table: TableConfig, ctx: PlacementContext) -> tuple[Shard, ...]:
         """The whole table on the least-loaded rank."""
