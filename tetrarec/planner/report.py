@@ -187,10 +187,12 @@ class PlanReport:
                 f"{r.dense_s * 1e3:>9.3f} {r.step_s * 1e3:>9.3f}"
             )
         lines.append("")
-        lines.append(f"{'table':<12} {'placement':<28} {'ranks':<14} reason")
-        for t in self.tables[:max_tables]:
+        shown = self.tables[:max_tables]
+        width = max([12, *(len(t.table) for t in shown)])  # C1_first_order is 14
+        lines.append(f"{'table':<{width}} {'placement':<28} {'ranks':<14} reason")
+        for t in shown:
             ranks = _ranks(t.ranks)
-            lines.append(f"{t.table:<12} {t.label:<28} {ranks:<14} {t.reason}")
+            lines.append(f"{t.table:<{width}} {t.label:<28} {ranks:<14} {t.reason}")
         if len(self.tables) > max_tables:
             lines.append(f"... and {len(self.tables) - max_tables} more tables (see --json)")
         return "\n".join(lines)
