@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tetrarec.config import EmbeddingKind, ModelConfig, RunConfig
-from tetrarec.embedding import EmbeddingBagCollection, SparseOptimizerSpec, TableConfig
+from tetrarec.embedding import EmbeddingBagCollection, HeldTables, SparseOptimizerSpec, TableConfig
 from tetrarec.models import DLRM, EmbeddingModule, build_model
 from tetrarec.sharding import ShardingEnv, ShardingPlan, TablePlacement
 from tetrarec.train.optim import build_dense_optimizer, build_sparse_optimizer
@@ -35,6 +35,7 @@ __all__ = [
     "check_cache_dir",
     "embedding_optimizer",
     "fixed_placements",
+    "held_tables",
     "model_embeddings",
 ]
 
@@ -185,6 +186,23 @@ def model_embeddings(model: DLRM) -> EmbeddingModule:
     if not isinstance(embeddings, EmbeddingModule):
         raise TypeError(
             f"{type(embeddings).__name__} does not follow tetrarec.models.EmbeddingModule"
+        )
+    return embeddings
+
+
+def held_tables(embeddings: object) -> HeldTables:
+    """Return ``embeddings``, typed by what the trainer reads of every collection.
+
+    Its shard layout and cache counters (``tetrarec.embedding.HeldTables``): the
+    reference, fused, cached and sharded collections all answer them, so the trainer
+    never asks which it holds.
+
+    Raises:
+        TypeError: if the module lacks a member of ``HeldTables``.
+    """
+    if not isinstance(embeddings, HeldTables):
+        raise TypeError(
+            f"{type(embeddings).__name__} does not follow tetrarec.embedding.HeldTables"
         )
     return embeddings
 
