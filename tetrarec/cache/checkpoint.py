@@ -1,6 +1,8 @@
-"""The state dict of a ``CachedEmbeddingBagCollection`` (what its module hooks call).
+"""The state of a ``CachedEmbeddingBagCollection``: its state dict and optimizer state.
 
-::
+What its module hooks (``save_state``, ``load_state``) and its ``FusedState`` methods
+(``optimizer_state``, ``check_optimizer_state``, ``load_optimizer_state``) call. The
+state dict::
 
     weights.<table>           the complete table in its stored precision, after a flush
                               (exactly ``FusedEmbeddingBagCollection``'s layout)
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tetrarec.cache.maintenance import copy_state_back, refresh_cached_state
 from tetrarec.cache.policy import CachePolicy
 from tetrarec.cache.slot_map import SlotMap
 from tetrarec.kernels.tbe import load_table_rows
@@ -27,7 +30,13 @@ from tetrarec.kernels.tbe import load_table_rows
 if TYPE_CHECKING:
     from tetrarec.cache.collection import CachedEmbeddingBagCollection
 
-__all__ = ["load_state", "save_state"]
+__all__ = [
+    "check_optimizer_state",
+    "load_optimizer_state",
+    "load_state",
+    "optimizer_state",
+    "save_state",
+]
 
 
 def save_state(ebc: CachedEmbeddingBagCollection, destination: dict[str, Any], prefix: str) -> None:
@@ -75,7 +84,7 @@ def load_state(
         found = {n: state_dict.get(key + n) for n in (*SlotMap.SAVED, "rows")}
         expected.update(key + n for n in found)
         _load_cache(ebc, i, found)
-    ebc._refresh_cached_state()
+    refresh_cached_state(ebc)
     for key in state_dict:
         if key.startswith(prefix) and key not in expected:
             unexpected_keys.append(key)
@@ -99,3 +108,49 @@ def _load_cache(
     rows = saved["rows"]
     if c.capacity and rows is not None:
         ebc._slots()._table_rows(ebc._slot_home[i]).copy_(rows)
+
+
+# -- the fused optimizer's state (FusedState) ---------------------------------------------
+
+
+def optimizer_state(ebc: CachedEmbeddingBagCollection) -> dict[str, dict[str, torch.Tensor]]:
+    """``ebc.optimizer_state()``: the backing stores' state, cached state copied back first."""
+    for i, c in ebc._caches.items():
+        slots = torch.nonzero(c.slot_rows >= 0).flatten()
+        if slots.numel():
+            copy_state_back(ebc, i, slots)
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for module in ebc._backing_modules():
+        out.update(module.optimizer_state())
+    return {t.name: out[t.name] for t in ebc.tables}
+
+
+def check_optimizer_state(
+    ebc: CachedEmbeddingBagCollection, state: Mapping[str, Mapping[str, torch.Tensor]]
+) -> None:
+    """``ebc.check_optimizer_state(state)``: every backing store checks its tables' state.
+
+    Raises:
+        ValueError: for missing or unexpected tables or names, or another shape.
+    """
+    names = {t.name for t in ebc.tables}
+    if set(state) != names:
+        raise ValueError(
+            f"optimizer state for tables {sorted(state)}, this module has {sorted(names)}"
+        )
+    for module in ebc._backing_modules():
+        module.check_optimizer_state({t.name: state[t.name] for t in module.tables})
+
+
+def load_optimizer_state(
+    ebc: CachedEmbeddingBagCollection, state: Mapping[str, Mapping[str, torch.Tensor]]
+) -> None:
+    """``ebc.load_optimizer_state(state)``: checked, into the backing stores, then the slots.
+
+    Raises:
+        ValueError: as ``check_optimizer_state``, before anything is copied.
+    """
+    check_optimizer_state(ebc, state)
+    for module in ebc._backing_modules():
+        module.load_optimizer_state({t.name: state[t.name] for t in module.tables})
+    refresh_cached_state(ebc)

@@ -27,11 +27,17 @@ A training batch flows as::
        every part's ``tbe_backward_update``: cached rows train in FP32 in their slots,
        uncached rows in their stored precision; the cached rows become dirty
 
-``forward`` runs these as three public steps, for callers that split them (replicas of
-a data-parallel table route the global batch and pool their own samples,
-``sharding/data_parallel.py``): ``route`` (1-2, a ``CacheRoute``), ``pooled_lookup``
-(3) and ``apply_gradients`` (4). Column blocks of a row-wise optimizer also read
-``row_gradient_shares`` and write ``add_to_row_state_`` (``sharding/block_group.py``).
+``forward`` runs these as the three steps of ``tetrarec.kernels.LocalLookup``, the
+protocol the fused collection answers too, for callers that split them (replicas of a
+data-parallel table prepare the global batch and pool their own samples,
+``sharding/data_parallel.py``): ``prepare`` (1-2: ``PreparedIds`` holding the batch and
+its ``CacheRoute``; in forward, with ``admit`` for a training batch), ``pooled_lookup``
+(3) and ``apply_gradients`` (4, in backward, with the forward's ``PreparedIds``). Column
+blocks of a row-wise optimizer also read ``row_gradient_shares`` and write
+``add_to_row_state_`` (``sharding/block_group.py``). The steps' code lives beside this
+module by concept: routing in ``route.py``, the policy step's row movement in
+``maintenance.py``, the backward in ``gradients.py``, counters in ``stats.py``, the
+state dict and optimizer state in ``checkpoint.py``.
 
 On a GPU (``device=``, issue 11) the slots live in device memory and everything else on
 the host: the batch's ids come to the host once, the policy and routing run there, the
@@ -66,30 +72,37 @@ import shutil
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from tetrarec.cache.checkpoint import load_state, save_state
+from tetrarec.cache.checkpoint import (
+    check_optimizer_state,
+    load_optimizer_state,
+    load_state,
+    optimizer_state,
+    save_state,
+)
 from tetrarec.cache.config import CacheSpec
-from tetrarec.cache.files import prefetch_rows
-from tetrarec.cache.movement import InPlaceRows, RowMover, StagedRows, TableRows
+from tetrarec.cache.gradients import (
+    add_to_row_state,
+    apply_part_gradients,
+    part_row_gradient_shares,
+)
+from tetrarec.cache.maintenance import admit, evict, fill, flush, pin_static, write_back
+from tetrarec.cache.movement import InPlaceRows, RowMover, StagedRows
 from tetrarec.cache.parts import (
     CACHE,
-    DEV,
-    HOME_KIND,
-    RAM,
-    SSD,
     Part,
     build_parts,
     resolve_capacities,
     resolve_placements,
 )
-from tetrarec.cache.policy import CachePolicy, hot_rows
-from tetrarec.cache.route import CacheRoute, bag_divisor, check_table_ids, split_over_parts
-from tetrarec.cache.slot_map import SlotMap, unique_rows
-from tetrarec.cache.stats import CacheMemory, CacheStats
+from tetrarec.cache.policy import CachePolicy
+from tetrarec.cache.route import CacheRoute, route_batch
+from tetrarec.cache.slot_map import SlotMap
+from tetrarec.cache.stats import CacheMemory, CacheStats, cache_memory, cache_stats
 from tetrarec.embedding import (
     SparseOptimizerSpec,
     TableConfig,
@@ -97,7 +110,8 @@ from tetrarec.embedding import (
     draw_seed,
     feature_order,
 )
-from tetrarec.kernels import FusedEmbeddingBagCollection, FusedOptimizer
+from tetrarec.embedding.report import whole_tables_layout
+from tetrarec.kernels import FusedEmbeddingBagCollection, FusedOptimizer, LocalLookup, PreparedIds
 from tetrarec.kernels.quant import decode_rows
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures, permute_keys
 from tetrarec.types import Placement, PoolingMode, Precision
@@ -112,19 +126,18 @@ class _CachedLookup(torch.autograd.Function):
     def forward(
         ctx: Any,
         module: CachedEmbeddingBagCollection,
-        route: CacheRoute,
+        prepared: PreparedIds[CacheRoute],
         psw: torch.Tensor | None,
         anchor: torch.Tensor,
     ) -> torch.Tensor:
-        ctx.module, ctx.route = module, route
-        ctx.save_for_backward(psw)
-        return module.pooled_lookup(route, psw)
+        ctx.module, ctx.prepared = module, prepared
+        return module.pooled_lookup(prepared)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (psw,) = ctx.saved_tensors
-        want_psw = psw is not None and ctx.needs_input_grad[2]
-        psw_grad = ctx.module.apply_gradients(grad_out, ctx.route, psw, want_psw=want_psw)
+        prepared: PreparedIds[CacheRoute] = ctx.prepared
+        want_psw = prepared.features.weights is not None and ctx.needs_input_grad[2]
+        psw_grad = ctx.module.apply_gradients(grad_out, prepared, want_psw=want_psw)
         return None, None, psw_grad, None
 
 
@@ -248,7 +261,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         #: The ``torch.optim`` surface; every part reads its hyperparameters.
         self.fused_optimizer = FusedOptimizer(optimizer, self)
         if cache.policy is CachePolicy.STATIC:
-            self._pin_static(static_counts)
+            pin_static(self, static_counts)
 
     @property
     def fused_optimizer(self) -> FusedOptimizer:
@@ -263,20 +276,6 @@ class CachedEmbeddingBagCollection(nn.Module):
         self._fused_optimizer = optimizer
         for part in getattr(self, "_parts", ()):
             part.module.fused_optimizer = optimizer
-
-    # -- construction ---------------------------------------------------------------------
-
-    def _pin_static(self, counts: Mapping[str, torch.Tensor] | None) -> None:
-        for i, c in self._caches.items():
-            name = self.tables[i].name
-            if counts is None or name not in counts:
-                raise ValueError(
-                    f"cache policy 'static' needs static_counts for table {name!r} "
-                    "(count_ids over a data sample)"
-                )
-            if c.capacity:
-                rows = hot_rows(counts[name].long(), c.capacity)
-                self._fill(i, rows, torch.arange(rows.numel()))
 
     # -- views ----------------------------------------------------------------------------
 
@@ -299,73 +298,19 @@ class CachedEmbeddingBagCollection(nn.Module):
             return ()
         return tuple(sorted(self._ssd_dir.iterdir()))
 
-    # -- cache maintenance ----------------------------------------------------------------
+    # -- cache maintenance (maintenance.py; one method per step the benchmark times) -------
 
-    def _slot_rows(self, i: int) -> TableRows:
-        """Table ``i``'s FP32 slots and their state (part "cache")."""
-        cache, k = self._slots(), self._slot_home[i]
-        return TableRows(cache._table_rows(k), cache._table_state(k), Precision.FP32)
-
-    def _backing_rows(self, i: int) -> TableRows:
-        """Table ``i``'s backing rows and their state."""
-        backing, k = self._backing(i)
-        return TableRows(backing._table_rows(k), backing._table_state(k), self.tables[i].precision)
-
-    @torch.no_grad()
     def _fill(self, i: int, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Admit ``rows`` into ``slots`` (free): decode rows, copy their state."""
-        rows, slots = rows.long().contiguous(), slots.long().contiguous()
-        self._mover.load(self._backing_rows(i), rows, self._slot_rows(i), slots)
-        self._caches[i].filled(rows, slots)
+        fill(self, i, rows, slots)
 
-    @torch.no_grad()
     def _write_back(self, i: int, slots: torch.Tensor) -> None:
-        """Store the FP32 rows of ``slots`` into the backing store; copy their state."""
-        t, c = self.tables[i], self._caches[i]
-        slots = slots.long().contiguous()
-        rows = c.slot_rows.index_select(0, slots)
-        backing, k = self._backing(i)
-        # The draws the kernel would make for these rows at this iteration (the kernel
-        # itself never updates them at this iteration: they are idle).
-        sl = backing.slices[k]
-        stochastic = backing.stochastic_rounding and t.precision is not Precision.FP32
-        flags = [int(stochastic), backing.seed, backing.iteration, sl.row_key(), sl.col_start]
-        self._mover.store(self._slot_rows(i), slots, self._backing_rows(i), rows, flags)
+        write_back(self, i, slots)
 
     def _evict(self, i: int, victims: torch.Tensor) -> None:
-        c = self._caches[i]
-        dirty = c.dirty_among(victims)
-        if dirty.numel():
-            self._write_back(i, dirty)
-        c.evicted(victims, dirty.numel())
+        evict(self, i, victims)
 
     def _admit(self, i: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One training batch's policy step for table ``i``; its unique rows and slots."""
-        c = self._caches[i]
-        fits = self.check_bounds and self.tables[i].num_embeddings <= 2**31
-        uniq, counts = unique_rows(ids, fits_int32=fits)
-        slots, plan = c.plan_batch(ids, uniq, counts)
-        if self.placements[i] is Placement.SSD:
-            # every backing row this step reads or writes: the misses (admitted ones are
-            # read now, the others by the kernels) and the dirty victims' rows
-            dirty = c.dirty_among(plan.victims)
-            misses = uniq.masked_select(slots < 0)
-            self._prefetch(i, torch.cat([misses, c.slot_rows[dirty]]))
-        if plan.victims.numel():
-            self._evict(i, plan.victims)
-        if plan.rows.numel():
-            self._fill(i, plan.rows, plan.slots)
-            slots = c.slots_of(uniq)
-        c.used(slots)
-        return uniq, slots
-
-    def _prefetch(self, i: int, rows: torch.Tensor) -> None:
-        """Start reading ``rows``' pages of an SSD table (weights and state) at once."""
-        backing, k = self._backing(i)
-        pages = prefetch_rows(backing._table_rows(k), rows)
-        for state in backing._table_state(k).values():
-            pages += prefetch_rows(state, rows)
-        self.prefetched_pages += pages
+        return admit(self, i, ids)
 
     def flush(self) -> None:
         """Write every dirty cached row back (rounded copy) and copy cached state back.
@@ -374,31 +319,9 @@ class CachedEmbeddingBagCollection(nn.Module):
         exactly as without the flush; afterwards the backing stores hold the complete
         tables (what ``state_dict`` saves).
         """
-        for i, c in self._caches.items():
-            occupied = c.occupied()
-            dirty = occupied[c.dirty[occupied]]
-            if dirty.numel():
-                self._write_back(i, dirty)  # also copies the state of these slots
-            clean = occupied[~c.dirty[occupied]]
-            if clean.numel():
-                self._copy_state_back(i, clean)
+        flush(self)
 
-    @torch.no_grad()
-    def _copy_state_back(self, i: int, slots: torch.Tensor) -> None:
-        rows = self._caches[i].slot_rows[slots]
-        self._mover.copy_state_back(self._slot_rows(i), slots, self._backing_rows(i), rows)
-
-    @torch.no_grad()
-    def _refresh_cached_state(self) -> None:
-        """Copy the backing state of every cached row into its slot (after a load)."""
-        for i, c in self._caches.items():
-            slots = c.occupied()
-            if not slots.numel():
-                continue
-            rows = c.slot_rows[slots]
-            self._mover.refresh_state(self._backing_rows(i), rows, self._slot_rows(i), slots)
-
-    # -- the embedding-module protocol ----------------------------------------------------
+    # -- the local-lookup protocol (tetrarec.kernels.LocalLookup), in its call order -----
 
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:
         """Pool every feature; output columns follow ``self.feature_names``.
@@ -412,24 +335,24 @@ class CachedEmbeddingBagCollection(nn.Module):
         """
         if features.keys != self.feature_names:
             features = permute_keys(features, self.feature_names)
-        route = self.route(features, admit=self.training and torch.is_grad_enabled())
+        prepared = self.prepare(features, admit=self.training and torch.is_grad_enabled())
         out = _CachedLookup.apply(  # type: ignore[no-untyped-call]  # torch leaves apply unannotated
-            self, route, features.weights, self._anchor
+            self, prepared, features.weights, self._anchor
         )
         return PooledEmbeddings(self.feature_names, self.feature_dims, out)
 
-    def route(self, features: SparseFeatures, *, admit: bool) -> CacheRoute:
-        """Split a batch over the parts: each id to its slot (hit) or its backing row.
+    def prepare(self, features: SparseFeatures, *, admit: bool) -> PreparedIds[CacheRoute]:
+        """Route a batch over the parts: each id to its slot (hit) or its backing row.
 
-        The first stage of every lookup, for ``forward`` and for callers that pool and
+        The first step of every lookup, for ``forward`` and for callers that pool and
         update in separate steps (data-parallel replicas run the policy step on the
-        global batch, then route their own samples through the same slot map)::
+        global batch in forward, then pool their own samples through the same slots)::
 
-            route = ebc.route(every, admit=True)   # policy step on the whole batch
-            mine = ebc.route(own, admit=False)     # read-only: the same slots
-            pooled = ebc.pooled_lookup(mine, own.weights)
-            ...
-            ebc.apply_gradients(grad_every, route, every.weights)
+            every = ebc.prepare(global_batch, admit=True)   # policy step, whole batch
+            mine = ebc.prepare(own, admit=False)            # read-only: the same slots
+            pooled = ebc.pooled_lookup(mine)
+            ...                                             # backward:
+            ebc.apply_gradients(grad_of_global_batch, every)
 
         Args:
             features: the batch, keys in ``feature_names`` order.
@@ -437,7 +360,7 @@ class CachedEmbeddingBagCollection(nn.Module):
                 evict and write back, admit misses. ``False`` only reads the slot maps.
 
         Returns:
-            The ``CacheRoute`` for ``pooled_lookup`` and ``apply_gradients``.
+            The batch and its ``CacheRoute``, for ``pooled_lookup`` and ``apply_gradients``.
 
         Syncs:
             Once per cached table with ``admit`` (the policy decides on the host), and
@@ -449,72 +372,26 @@ class CachedEmbeddingBagCollection(nn.Module):
         """
         if features.keys != self.feature_names:
             raise ValueError(
-                f"route: features {features.keys} must be keyed {self.feature_names} "
+                f"prepare: features {features.keys} must be keyed {self.feature_names} "
                 "(permute_keys first)"
             )
         if features.weights is not None and any(self._means):
             raise ValueError("per-id weights are supported with sum pooling only")
-        return self._route(features, admit=admit)
+        return PreparedIds(features=features, route=self._route(features, admit=admit))
 
     def _route(self, features: SparseFeatures, *, admit: bool) -> CacheRoute:
-        # The policy and the routing run on the host: the batch's ids and lengths come
-        # over once (no copy on the CPU), the parts' ids go back once per device part.
-        batch, lengths = features.batch_size, features.lengths.cpu().long()
-        local = features.values.cpu().long().clone()  # (N,) becomes slot or row per id
-        dest = torch.full_like(local, RAM, dtype=torch.int8)
-        starts = [0]
-        for n in features.value_counts_host():
-            starts.append(starts[-1] + n)
-        touched = []
-        f = 0
-        for i, t in enumerate(self.tables):
-            f0, f = f, f + len(t.feature_names)
-            seg = slice(starts[f0], starts[f])
-            home = HOME_KIND[self.placements[i]]
-            dest[seg] = home
-            if i not in self._caches:
-                continue
-            ids = local[seg]
-            if self.check_bounds:
-                check_table_ids(t, ids, range(f0, f), starts, self.feature_names)
-            if admit:
-                rows, slots = self._admit(i, ids)
-                touched.append((i, rows, slots.to(torch.int32)))
-            slot = self._caches[i].row_slot[ids].long()
-            hit = slot >= 0
-            dest[seg] = torch.where(hit, CACHE, home).to(torch.int8)
-            local[seg] = torch.where(hit, slot, ids)
-        nf = len(self.feature_names)
-        values, part_lengths, masks = split_over_parts(self._parts, local, dest, lengths, nf, batch)
-        divisor = bag_divisor(self.tables, self._means, lengths, batch)
-        return CacheRoute(
-            batch=batch,
-            values=[v.to(part.device) for v, part in zip(values, self._parts)],
-            lengths=[n.to(part.device) for n, part in zip(part_lengths, self._parts)],
-            masks=masks,
-            divisor=divisor.to(self.device) if divisor is not None else None,
-            touched=touched,
-        )
+        return route_batch(self, features, admit=admit)
 
-    def _part_weights(
-        self, psw: torch.Tensor | None, route: CacheRoute, p: int
-    ) -> torch.Tensor | None:
-        """Part ``p``'s share of the per-id weights, on its device (``None``: unweighted)."""
-        if psw is None:
-            return None
-        dev = self._parts[p].device
-        return psw.to(dev)[route.masks[p].to(dev, non_blocking=True)]
-
-    def pooled_lookup(self, route: CacheRoute, psw: torch.Tensor | None) -> torch.Tensor:
-        """The pooled rows of a routed batch: the forward, without autograd.
+    def pooled_lookup(self, prepared: PreparedIds[CacheRoute]) -> torch.Tensor:
+        """The pooled rows of a prepared batch: the forward, without autograd.
 
         Args:
-            route: the batch's ``CacheRoute`` (``route``).
-            psw: ``(N,)`` per-id weights of that batch, or ``None``.
+            prepared: the batch and its route (``prepare``).
 
         Returns:
             ``(B, sum D)`` pooled rows, columns in ``feature_names`` order.
         """
+        route, psw = prepared.route, prepared.features.weights
         out = torch.zeros(route.batch, sum(self.feature_dims), device=self.device)  # (B, sum D)
         # Backing parts first, then the cache: an all-cached (or all-uncached) bag is
         # 0 + its one part's sum, exactly what the uncached collection computes. A part
@@ -524,8 +401,8 @@ class CachedEmbeddingBagCollection(nn.Module):
             part = self._parts[p]
             if not route.values[p].numel():
                 continue
-            w = self._part_weights(psw, route, p)
-            pooled = part.module.pooled_lookup(route.values[p], route.lengths[p], w)
+            w = route.part_weights(psw, p, part.device)
+            pooled = part.module.pool_ids(route.values[p], route.lengths[p], w)
             # a host part's pooled rows go to the device in one copy
             out.index_add_(1, part.columns, pooled.to(self.device, non_blocking=True))
         if route.divisor is not None:
@@ -535,62 +412,35 @@ class CachedEmbeddingBagCollection(nn.Module):
     def apply_gradients(
         self,
         grad_out: torch.Tensor,
-        route: CacheRoute,
-        psw: torch.Tensor | None,
+        prepared: PreparedIds[CacheRoute],
         *,
         want_psw: bool = False,
     ) -> torch.Tensor | None:
-        """Every part's fused update for the gradient ``grad_out`` of a routed batch.
+        """Every part's fused update for the gradient ``grad_out`` of a prepared batch.
 
         Args:
             grad_out: ``(B, sum D)`` gradient of the batch's pooled rows.
-            route: the route the batch took; built with ``admit=True`` for a training
-                batch, so that its admitted slots are checked and marked dirty.
-            psw: ``(N,)`` per-id weights of that batch, or ``None``.
-            want_psw: also return the gradient of ``psw``.
+            prepared: the batch as it was prepared for its lookup; with ``admit=True``
+                for a training batch, so that its admitted slots are checked and marked
+                dirty (``gradients.apply_part_gradients``).
+            want_psw: also return the gradient of the batch's per-id weights.
 
         Returns:
-            ``(N,)`` gradient of ``psw`` when ``want_psw``, else ``None``.
+            ``(N,)`` gradient of the per-id weights when ``want_psw``, else ``None``.
 
         Raises:
             RuntimeError: if a later training forward moved rows this batch used in or
                 out of the cache (run each backward before the next training forward).
         """
-        for i, rows, slots in route.touched:
-            if not torch.equal(self._caches[i].row_slot[rows], slots):
-                raise RuntimeError(
-                    f"table {self.tables[i].name!r}: rows this batch used left or entered "
-                    "the cache before its backward; run each training forward's backward "
-                    "before the next training forward"
-                )
-        g = grad_out.contiguous()
-        if route.divisor is not None:
-            g = g / route.divisor  # the kernel's mean backward: gradient over the length
-        psw_grad = torch.zeros_like(psw) if psw is not None and want_psw else None
-        for p, part in enumerate(self._parts):
-            if not route.values[p].numel():
-                # nothing to update; the rounding stream still advances, as the
-                # kernel's own call would advance it
-                part.module.iteration += 1
-                continue
-            w = self._part_weights(psw, route, p)
-            out = part.module.apply_gradients(
-                g.index_select(1, part.columns).to(part.device), route.values[p],
-                route.lengths[p], w, want_psw=psw_grad is not None,
-            )  # fmt: skip
-            if psw_grad is not None and out is not None:
-                mask = route.masks[p].to(psw_grad.device, non_blocking=True)
-                psw_grad[mask] = out.to(psw_grad.device)
-        for i, _, slots in route.touched:
-            self._caches[i].dirty[slots[slots >= 0].long()] = True
-        return psw_grad
+        return apply_part_gradients(
+            self, grad_out, prepared.route, prepared.features.weights, want_psw
+        )
 
     def row_gradient_shares(
         self,
         table: int,
         grad_out: torch.Tensor,
-        route: CacheRoute,
-        psw: torch.Tensor | None,
+        prepared: PreparedIds[CacheRoute],
         weight_decay: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per touched row of table ``table``: ``sum_d g'_d^2`` the next update would use.
@@ -604,53 +454,27 @@ class CachedEmbeddingBagCollection(nn.Module):
         Args:
             table: the table's index in ``tables``.
             grad_out: ``(B, sum D)`` gradient of the batch's pooled rows.
-            route: the batch's route (the slot map the update will use).
-            psw: ``(N,)`` per-id weights, if any.
+            prepared: the batch and its route (the slot map the update will use).
             weight_decay: the optimizer's weight decay (``0.0``: none).
 
         Returns:
             ``(rows (U,) int64 ascending and unique; share (U,) FP32)``.
         """
-        g = grad_out.contiguous()
-        if route.divisor is not None:
-            g = g / route.divisor  # as apply_gradients divides it
-        rows, shares = [], []
-        for p, part in enumerate(self._parts):
-            if part.kind == CACHE:
-                if table not in self._slot_home:
-                    continue
-                k = self._slot_home[table]
-            else:
-                home, k = self._home[table]
-                if home != p:
-                    continue
-            w = self._part_weights(psw, route, p)
-            got, share = part.module.row_gradient_shares(
-                k, g.index_select(1, part.columns).to(part.device), route.values[p],
-                route.lengths[p], w, weight_decay,
-            )  # fmt: skip
-            got, share = got.cpu(), share.cpu()
-            if part.kind == CACHE:
-                got = self._caches[table].slot_rows[got]  # slots -> their rows
-            rows.append(got)
-            shares.append(share)
-        every = torch.cat(rows)
-        order = torch.argsort(every)  # a row is in one part: unique
-        out = grad_out.device
-        return every[order].to(out), torch.cat(shares)[order].to(out)
+        return part_row_gradient_shares(
+            self, table, grad_out, prepared.route, prepared.features.weights, weight_decay
+        )
 
-    @torch.no_grad()
     def add_to_row_state_(
-        self, table: int, name: str, rows: torch.Tensor, delta: torch.Tensor
+        self, table: int, key: str, rows: torch.Tensor, delta: torch.Tensor
     ) -> None:
-        """Add ``delta[j]`` to the per-row optimizer state ``name`` of row ``rows[j]``.
+        """Add ``delta[j]`` to the per-row optimizer state ``key`` of row ``rows[j]``.
 
         Where the row's state lives now: its slot while it is cached, else the backing
         store (the state a write-back or flush copies back).
 
         Args:
             table: the table's index in ``tables``.
-            name: a per-row state (``sum`` of row-wise Adagrad, ``exp_avg_sq`` of
+            key: a per-row state (``sum`` of row-wise Adagrad, ``exp_avg_sq`` of
                 row-wise Adam).
             rows: ``(n,)`` distinct rows of the table.
             delta: ``(n,)`` FP32 amounts.
@@ -658,39 +482,21 @@ class CachedEmbeddingBagCollection(nn.Module):
         Raises:
             ValueError: for a state that is not per row.
         """
-        backing, k = self._backing(table)
-        state = backing._table_state(k)
-        if name not in state or state[name].shape[1] != 1:
-            per_row = sorted(n for n, v in state.items() if v.shape[1] == 1)
-            raise ValueError(f"{name!r} is not a per-row optimizer state; per-row: {per_row}")
-        rows, delta = rows.cpu(), delta.cpu()  # the slot map is on the host
-        c = self._caches.get(table)
-        slots = c.row_slot[rows].long() if c is not None else torch.full_like(rows, -1)
-        hit = slots >= 0
-        if bool(hit.any()):
-            cached = self._slots()._table_state(self._slot_home[table])[name]
-            dev = cached.device
-            cached[:, 0].index_add_(0, slots[hit].to(dev), delta[hit].to(dev))
-        dev = state[name].device  # the host, but for a `device` table
-        state[name][:, 0].index_add_(0, rows[~hit].to(dev), delta[~hit].to(dev))
+        add_to_row_state(self, table, key, rows, delta)
 
-    # -- what the trainer reads -------------------------------------------------------------
+    # -- what the trainer reads (tetrarec.embedding.HeldTables) ---------------------------
+
+    def shard_layout(self) -> list[dict[str, Any]]:
+        """Every table, whole (``tetrarec.embedding.report.whole_tables_layout``)."""
+        return whole_tables_layout(self.tables)
 
     def cache_stats(self) -> dict[str, CacheStats]:
         """``{table: CacheStats}`` for every cached table (``CacheStats.total`` sums them)."""
-        out = {}
-        for i, c in self._caches.items():
-            _, hits, misses, evictions, write_backs = c.counters
-            out[self.tables[i].name] = CacheStats(
-                table=self.tables[i].name,
-                capacity=c.capacity,
-                occupied=int((c.slot_rows >= 0).sum()),
-                hits=hits,
-                misses=misses,
-                evictions=evictions,
-                write_backs=write_backs,
-            )
-        return out
+        return cache_stats(self)
+
+    def counted_cache_stats(self) -> dict[str, CacheStats]:
+        """``cache_stats``: one process counts every lookup once."""
+        return cache_stats(self)
 
     def cached_rows(self) -> dict[str, torch.Tensor]:
         """``{table: rows its cache holds, ascending}`` for every cached table.
@@ -704,25 +510,7 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def memory(self) -> CacheMemory:
         """Bytes by tier (rows in their stored precision, FP32 state, metadata)."""
-        sizes = {CACHE: [0, 0], RAM: [0, 0], SSD: [0, 0], DEV: [0, 0]}
-        for part in self._parts:
-            m = part.module
-            sizes[part.kind][0] += sum(w.numel() * w.element_size() for w in m.storages())
-            sizes[part.kind][1] += sum(
-                s.numel() * 4 for st in range(len(m._stores)) for s in m._states(st)
-            )
-        return CacheMemory(
-            backing_ram=sizes[RAM][0],
-            backing_ssd=sizes[SSD][0],
-            backing_state_ram=sizes[RAM][1],
-            backing_state_ssd=sizes[SSD][1],
-            cache_rows=sizes[CACHE][0],
-            cache_state=sizes[CACHE][1],
-            metadata=sum(c.metadata_bytes() for c in self._caches.values()),
-            backing_device=sizes[DEV][0],
-            backing_state_device=sizes[DEV][1],
-            cache_device=self.device.type,
-        )
+        return cache_memory(self)
 
     def table_weights(self) -> dict[str, torch.Tensor]:
         """``{table: (rows, dim) FP32}``: the backing rows, cached rows from the cache.
@@ -744,7 +532,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             out[t.name] = w
         return out
 
-    # -- the fused optimizer's state (FusedState) -------------------------------------------
+    # -- the fused optimizer's state (FusedState; checkpoint.py) -----------------------------
 
     def storages(self) -> list[torch.Tensor]:
         """The flat row storages of every part (cache slots and backing stores)."""
@@ -752,15 +540,7 @@ class CachedEmbeddingBagCollection(nn.Module):
 
     def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """``{table: {name: (rows, ...) FP32}}``: complete (cached state copied back first)."""
-        for i, c in self._caches.items():
-            slots = torch.nonzero(c.slot_rows >= 0).flatten()
-            if slots.numel():
-                self._copy_state_back(i, slots)
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for part in self._parts:
-            if part.kind != CACHE:
-                out.update(part.module.optimizer_state())
-        return {t.name: out[t.name] for t in self.tables}
+        return optimizer_state(self)
 
     def load_optimizer_state(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Copy ``state`` (``optimizer_state``'s form) into backing stores and slots, bitwise.
@@ -769,10 +549,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             ValueError: for missing or unexpected tables or names, or another shape;
                 raised before anything is copied.
         """
-        self.check_optimizer_state(state)
-        for module in self._backing_modules():
-            module.load_optimizer_state({t.name: state[t.name] for t in module.tables})
-        self._refresh_cached_state()
+        load_optimizer_state(self, state)
 
     def check_optimizer_state(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Check that ``state`` fits this module, copying nothing.
@@ -780,13 +557,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         Raises:
             ValueError: as ``load_optimizer_state``.
         """
-        names = {t.name for t in self.tables}
-        if set(state) != names:
-            raise ValueError(
-                f"optimizer state for tables {sorted(state)}, this module has {sorted(names)}"
-            )
-        for module in self._backing_modules():
-            module.check_optimizer_state({t.name: state[t.name] for t in module.tables})
+        check_optimizer_state(self, state)
 
     def _backing_modules(self) -> list[FusedEmbeddingBagCollection]:
         return [p.module for p in self._parts if p.kind != CACHE]
@@ -809,3 +580,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         error_msgs: list[str],
     ) -> None:
         load_state(self, state_dict, prefix, missing_keys, unexpected_keys, error_msgs)
+
+
+if TYPE_CHECKING:  # mypy checks that the collection answers the protocol
+    _answers: type[LocalLookup[CacheRoute]] = CachedEmbeddingBagCollection

@@ -8,27 +8,33 @@ table's backing part); every part gets every bag, holding its share of the bag's
     part "cache": values [0, 1]  lengths [1, 1]        (slots)
     part "ram":   values [7]     lengths [1, 0]        (rows)
 
-``split_over_parts`` builds those per-part values and lengths from each id's part and
-local index (computed on the host); ``CacheRoute`` carries them, with the mean-pooling
-divisor and the admitted rows, from the forward to the backward.
+``route_batch`` finds each id's part and local index (on the host, after the policy
+step of a training batch), ``split_over_parts`` builds those per-part values and
+lengths; ``CacheRoute`` carries them, with the mean-pooling divisor and the admitted
+rows, from the forward to the backward (in ``PreparedIds.route``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from tetrarec.cache.parts import Part
+from tetrarec.cache.parts import CACHE, HOME_KIND, RAM, Part
 from tetrarec.embedding import TableConfig
+from tetrarec.sparse import SparseFeatures
 
-__all__ = ["CacheRoute", "bag_divisor", "check_table_ids", "split_over_parts"]
+if TYPE_CHECKING:
+    from tetrarec.cache.collection import CachedEmbeddingBagCollection
+
+__all__ = ["CacheRoute", "bag_divisor", "check_table_ids", "route_batch", "split_over_parts"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CacheRoute:
-    """One batch split over the parts of a ``CachedEmbeddingBagCollection`` (``route``).
+    """One batch split over the parts of a ``CachedEmbeddingBagCollection`` (``prepare``).
 
     Built once per batch and handed to ``pooled_lookup`` (forward) and
     ``apply_gradients`` (backward). Its tensors index the batch it was built from: ``N``
@@ -53,6 +59,14 @@ class CacheRoute:
     masks: list[torch.Tensor]
     divisor: torch.Tensor | None
     touched: list[tuple[int, torch.Tensor, torch.Tensor]]
+
+    def part_weights(
+        self, psw: torch.Tensor | None, p: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """Part ``p``'s share of the per-id weights ``psw`` on ``device`` (``None``: none)."""
+        if psw is None:
+            return None
+        return psw.to(device)[self.masks[p].to(device, non_blocking=True)]
 
 
 def split_over_parts(
@@ -135,4 +149,55 @@ def check_table_ids(
     raise ValueError(
         f"feature {feature_names[f]!r}: id {bad} is outside its table {t.name!r} "
         f"of {t.num_embeddings} rows (valid ids are 0..{t.num_embeddings - 1})"
+    )
+
+
+def route_batch(
+    ebc: CachedEmbeddingBagCollection, features: SparseFeatures, *, admit: bool
+) -> CacheRoute:
+    """Route ``features`` over ``ebc``'s parts; with ``admit``, the policy step first.
+
+    What ``CachedEmbeddingBagCollection.prepare`` runs once it has checked the keys
+    (``ebc._admit`` per cached table with ``admit``).
+
+    Raises:
+        ValueError: for an out-of-range id (when ``ebc.check_bounds``).
+    """
+    # The policy and the routing run on the host: the batch's ids and lengths come
+    # over once (no copy on the CPU), the parts' ids go back once per device part.
+    batch, lengths = features.batch_size, features.lengths.cpu().long()
+    local = features.values.cpu().long().clone()  # (N,) becomes slot or row per id
+    dest = torch.full_like(local, RAM, dtype=torch.int8)
+    starts = [0]
+    for n in features.value_counts_host():
+        starts.append(starts[-1] + n)
+    touched = []
+    f = 0
+    for i, t in enumerate(ebc.tables):
+        f0, f = f, f + len(t.feature_names)
+        seg = slice(starts[f0], starts[f])
+        home = HOME_KIND[ebc.placements[i]]
+        dest[seg] = home
+        if i not in ebc._caches:
+            continue
+        ids = local[seg]
+        if ebc.check_bounds:
+            check_table_ids(t, ids, range(f0, f), starts, ebc.feature_names)
+        if admit:
+            rows, slots = ebc._admit(i, ids)
+            touched.append((i, rows, slots.to(torch.int32)))
+        slot = ebc._caches[i].row_slot[ids].long()
+        hit = slot >= 0
+        dest[seg] = torch.where(hit, CACHE, home).to(torch.int8)
+        local[seg] = torch.where(hit, slot, ids)
+    nf = len(ebc.feature_names)
+    values, part_lengths, masks = split_over_parts(ebc._parts, local, dest, lengths, nf, batch)
+    divisor = bag_divisor(ebc.tables, ebc._means, lengths, batch)
+    return CacheRoute(
+        batch=batch,
+        values=[v.to(part.device) for v, part in zip(values, ebc._parts)],
+        lengths=[n.to(part.device) for n, part in zip(part_lengths, ebc._parts)],
+        masks=masks,
+        divisor=divisor.to(ebc.device) if divisor is not None else None,
+        touched=touched,
     )

@@ -1,62 +1,25 @@
-"""What a cached collection reports: per-table counters and where its bytes are."""
+"""What a cached collection reports: per-table counters and where its bytes are.
+
+``cache_stats`` and ``cache_memory`` compute them (what the collection's ``cache_stats``
+and ``memory`` return).
+
+``CacheStats`` is defined with the report every embedding collection gives
+(``tetrarec.embedding.report``: a collection without a cache reports none) and is
+re-exported here, its public home.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["CacheMemory", "CacheStats"]
+from tetrarec.cache.parts import CACHE, DEV, RAM, SSD
+from tetrarec.embedding.report import CacheStats
 
+if TYPE_CHECKING:
+    from tetrarec.cache.collection import CachedEmbeddingBagCollection
 
-@dataclass(frozen=True, kw_only=True)
-class CacheStats:
-    """Counters of one table's cache since it was built (or restored from a checkpoint).
-
-    Counted in training forwards only (``module.training`` with grad enabled); an
-    evaluation forward reads the cache without changing it or these counters.
-
-    Args:
-        table: the table's name (``"*"`` for a sum over tables).
-        capacity: slots.
-        occupied: slots holding a row now.
-        hits: ids looked up whose row was cached before the batch's admissions.
-        misses: the other ids looked up (``hits + misses`` = ids looked up).
-        evictions: rows that left the cache.
-        write_backs: evicted rows written back to the backing store (those updated
-            since their admission); checkpoint flushes are not counted.
-    """
-
-    table: str
-    capacity: int
-    occupied: int
-    hits: int
-    misses: int
-    evictions: int
-    write_backs: int
-
-    @property
-    def lookups(self) -> int:
-        """Ids looked up: ``hits + misses``."""
-        return self.hits + self.misses
-
-    @property
-    def hit_rate(self) -> float:
-        """``hits / lookups`` (0 before the first lookup)."""
-        return self.hits / self.lookups if self.lookups else 0.0
-
-    @classmethod
-    def total(cls, stats: Iterable[CacheStats]) -> CacheStats:
-        """The sum of several tables' counters, named ``"*"``."""
-        items = list(stats)
-        return cls(
-            table="*",
-            capacity=sum(s.capacity for s in items),
-            occupied=sum(s.occupied for s in items),
-            hits=sum(s.hits for s in items),
-            misses=sum(s.misses for s in items),
-            evictions=sum(s.evictions for s in items),
-            write_backs=sum(s.write_backs for s in items),
-        )
+__all__ = ["CacheMemory", "CacheStats", "cache_memory", "cache_stats"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,3 +73,43 @@ class CacheMemory:
         """Everything held in device memory (0 for a cache on the CPU)."""
         cache = self.cache_rows + self.cache_state if self.cache_device != "cpu" else 0
         return self.backing_device + self.backing_state_device + cache
+
+
+def cache_stats(ebc: CachedEmbeddingBagCollection) -> dict[str, CacheStats]:
+    """``ebc.cache_stats()``: the counters of every cached table, by name."""
+    out = {}
+    for i, c in ebc._caches.items():
+        _, hits, misses, evictions, write_backs = c.counters
+        out[ebc.tables[i].name] = CacheStats(
+            table=ebc.tables[i].name,
+            capacity=c.capacity,
+            occupied=int((c.slot_rows >= 0).sum()),
+            hits=hits,
+            misses=misses,
+            evictions=evictions,
+            write_backs=write_backs,
+        )
+    return out
+
+
+def cache_memory(ebc: CachedEmbeddingBagCollection) -> CacheMemory:
+    """``ebc.memory()``: bytes by tier, summed over the parts of each kind."""
+    sizes = {CACHE: [0, 0], RAM: [0, 0], SSD: [0, 0], DEV: [0, 0]}
+    for part in ebc._parts:
+        m = part.module
+        sizes[part.kind][0] += sum(w.numel() * w.element_size() for w in m.storages())
+        sizes[part.kind][1] += sum(
+            s.numel() * 4 for st in range(len(m._stores)) for s in m._states(st)
+        )
+    return CacheMemory(
+        backing_ram=sizes[RAM][0],
+        backing_ssd=sizes[SSD][0],
+        backing_state_ram=sizes[RAM][1],
+        backing_state_ssd=sizes[SSD][1],
+        cache_rows=sizes[CACHE][0],
+        cache_state=sizes[CACHE][1],
+        metadata=sum(c.metadata_bytes() for c in ebc._caches.values()),
+        backing_device=sizes[DEV][0],
+        backing_state_device=sizes[DEV][1],
+        cache_device=ebc.device.type,
+    )

@@ -5,11 +5,13 @@ PyTorch path (``reference.py``) runs on any device; a compiled CPU kernel (``csr
 built on first use) sits behind the same ``tetrarec::`` ops (``ops.py``).
 ``TETRAREC_KERNELS=reference`` forces the portable path. ``build_cpu_kernels()`` builds
 (or loads from the cache) the compiled kernel ahead of time; ``make demo`` and
-``make test`` call it during set-up, so no run pays the build.
+``make test`` call it during set-up, so no run pays the build. ``LocalLookup``
+(``lookup.py``) is the protocol the sharding code runs every local lookup module through.
 """
 
 from tetrarec.kernels._build import compiled_cpu_kernels as build_cpu_kernels
 from tetrarec.kernels.fused_optim import FusedOptimizer, FusedState
+from tetrarec.kernels.lookup import LocalLookup, PreparedIds
 from tetrarec.kernels.optim_rules import OPTIM_RULES, state_layout
 from tetrarec.kernels.quant import (
     decode_rows,
@@ -26,6 +28,8 @@ __all__ = [
     "FusedEmbeddingBagCollection",
     "FusedOptimizer",
     "FusedState",
+    "LocalLookup",
+    "PreparedIds",
     "build_cpu_kernels",
     "decode_rows",
     "dequantize_rows",

@@ -34,13 +34,19 @@ Both state dicts return views into the flat storage (no copy); clone them if the
 consumer needs separate storages. Stochastic rounding draws from a counter-based stream
 of ``(seed, iteration, global row, global column)``, so a resumed run, and any sharded
 layout of the same tables (``TableSlice``), rounds the same.
+
+The collection answers ``LocalLookup`` (``lookup.py``: ``prepare`` keeps the features as
+they are, then ``pooled_lookup`` and ``apply_gradients``), so the sharding code runs it
+as it runs a cached collection; ``pool_ids``, ``update_ids`` and
+``row_gradient_shares_of_ids`` are the same steps on key-major ids (what the cached
+collection's parts call).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -53,9 +59,11 @@ from tetrarec.embedding import (
     feature_order,
     init_rows,
 )
+from tetrarec.embedding.report import CacheStats, whole_tables_layout
 from tetrarec.kernels import ops, reference
 from tetrarec.kernels.fused_optim import FusedOptimizer
 from tetrarec.kernels.layout import plan_stores
+from tetrarec.kernels.lookup import LocalLookup, PreparedIds
 from tetrarec.kernels.memory import host_buffer
 from tetrarec.kernels.optim_rules import state_layout
 from tetrarec.kernels.quant import decode_rows, encode_rows, row_width
@@ -81,13 +89,13 @@ class _FusedLookup(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.module = module
         ctx.save_for_backward(values, lengths, psw)
-        return module.pooled_lookup(values, lengths, psw)
+        return module.pool_ids(values, lengths, psw)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         values, lengths, psw = ctx.saved_tensors
         want_psw = psw is not None and ctx.needs_input_grad[3]
-        psw_grad = ctx.module.apply_gradients(grad_out, values, lengths, psw, want_psw=want_psw)
+        psw_grad = ctx.module.update_ids(grad_out, values, lengths, psw, want_psw=want_psw)
         return None, None, None, psw_grad if want_psw else None, None
 
 
@@ -298,20 +306,98 @@ class FusedEmbeddingBagCollection(nn.Module):
         """
         if features.keys != self.feature_names:
             features = permute_keys(features, self.feature_names)
-        if features.weights is not None and self._has_mean:
-            raise ValueError("per-id weights are supported with sum pooling only")
+        sf = self.prepare(features, admit=False).features
         out = _FusedLookup.apply(  # type: ignore[no-untyped-call]  # torch leaves apply unannotated
-            self, features.values, features.lengths, features.weights, self._anchor
+            self, sf.values, sf.lengths, sf.weights, self._anchor
         )
         return PooledEmbeddings(self.feature_names, self.feature_dims, out)
 
-    def pooled_lookup(
+    # -- the local-lookup protocol (lookup.LocalLookup), in its call order ----------------
+
+    def prepare(self, features: SparseFeatures, *, admit: bool) -> PreparedIds[None]:
+        """The batch as it is: this module has no cache, so ``admit`` changes nothing.
+
+        Raises:
+            ValueError: for keys in another order than ``feature_names``, or per-id
+                weights on a mean-pooled collection.
+        """
+        if features.keys != self.feature_names:
+            raise ValueError(
+                f"prepare: features {features.keys} must be keyed {self.feature_names} "
+                "(permute_keys first)"
+            )
+        if features.weights is not None and self._has_mean:
+            raise ValueError("per-id weights are supported with sum pooling only")
+        return PreparedIds(features=features, route=None)
+
+    def pooled_lookup(self, prepared: PreparedIds[None]) -> torch.Tensor:
+        """``(B, sum D)`` pooled rows of a prepared batch (``pool_ids`` of its ids).
+
+        Raises:
+            ValueError: for an out-of-range id (when ``check_bounds``).
+        """
+        sf = prepared.features
+        return self.pool_ids(sf.values, sf.lengths, sf.weights)
+
+    def apply_gradients(
+        self, grad_out: torch.Tensor, prepared: PreparedIds[None], *, want_psw: bool = False
+    ) -> torch.Tensor | None:
+        """The fused update of a prepared batch (``update_ids`` of its ids).
+
+        Returns:
+            ``(N,)`` gradient of the batch's per-id weights when ``want_psw``, else
+            ``None``.
+        """
+        sf = prepared.features
+        return self.update_ids(grad_out, sf.values, sf.lengths, sf.weights, want_psw=want_psw)
+
+    def row_gradient_shares(
+        self,
+        table: int,
+        grad_out: torch.Tensor,
+        prepared: PreparedIds[None],
+        weight_decay: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``row_gradient_shares_of_ids`` of a prepared batch's ids.
+
+        Returns:
+            ``(rows (U,) int64, sorted and unique; share (U,) FP32)``.
+        """
+        sf = prepared.features
+        return self.row_gradient_shares_of_ids(
+            table, grad_out, sf.values, sf.lengths, sf.weights, weight_decay
+        )
+
+    @torch.no_grad()
+    def add_to_row_state_(
+        self, table: int, key: str, rows: torch.Tensor, delta: torch.Tensor
+    ) -> None:
+        """Add ``delta[j]`` to the per-row optimizer state ``key`` of row ``rows[j]``.
+
+        Args:
+            table: the table's index in ``tables``.
+            key: a per-row state (``sum`` of row-wise Adagrad, ``exp_avg_sq`` of
+                row-wise Adam).
+            rows: ``(n,)`` distinct rows of the table, on the rows' device.
+            delta: ``(n,)`` FP32 amounts.
+
+        Raises:
+            ValueError: for a state that is not per row.
+        """
+        state = self._table_state(table)
+        if key not in state or state[key].shape[1] != 1:
+            per_row = sorted(n for n, v in state.items() if v.shape[1] == 1)
+            raise ValueError(f"{key!r} is not a per-row optimizer state; per-row: {per_row}")
+        state[key][:, 0].index_add_(0, rows, delta)
+
+    # -- the same steps on key-major ids (the cached collection's parts call these) --------
+
+    def pool_ids(
         self, values: torch.Tensor, lengths: torch.Tensor, psw: torch.Tensor | None
     ) -> torch.Tensor:
         """``(B, sum D)`` pooled rows of key-major ``values``/``lengths`` in feature order.
 
-        The forward half of ``forward`` without autograd; a sharded layout calls it
-        directly when it runs its own backward (data-parallel tables).
+        The forward half of ``forward`` without autograd.
 
         Raises:
             ValueError: for an out-of-range id (when ``check_bounds``).
@@ -374,7 +460,7 @@ class FusedEmbeddingBagCollection(nn.Module):
             cache[(s, dev)] = (store.meta(self.tables, self.slices, dev), offs)
         return cache[(s, dev)]
 
-    def apply_gradients(
+    def update_ids(
         self,
         grad_out: torch.Tensor,
         values: torch.Tensor,
@@ -429,7 +515,7 @@ class FusedEmbeddingBagCollection(nn.Module):
         lengths: torch.Tensor,
         psw: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What the next ``apply_gradients`` would apply to table ``table``, without applying it.
+        """What the next ``update_ids`` would apply to table ``table``, without applying it.
 
         Args:
             table: the table's index in ``tables``.
@@ -453,7 +539,7 @@ class FusedEmbeddingBagCollection(nn.Module):
         current = decode_rows(self._table_rows(table)[uniq], t.precision, t.dim)
         return uniq, grads, current
 
-    def row_gradient_shares(
+    def row_gradient_shares_of_ids(
         self,
         table: int,
         grad_out: torch.Tensor,
@@ -465,7 +551,7 @@ class FusedEmbeddingBagCollection(nn.Module):
         """Per touched row of table ``table``: ``sum_d g'_d^2`` the next update would use.
 
         ``g' = g + weight_decay * w``, with ``g`` the summed gradient the next
-        ``apply_gradients`` would apply to the row and ``w`` its current value: the sum
+        ``update_ids`` would apply to the row and ``w`` its current value: the sum
         a row-wise optimizer adds over the row's columns, which a column-split table's
         blocks share (``sharding/block_group.py``). One ``tetrarec::tbe_row_gradient_shares``
         call (compiled: the fused backward's sort and sums, nothing updated).
@@ -498,6 +584,24 @@ class FusedEmbeddingBagCollection(nn.Module):
             self._raise_named_bounds_error(values, lengths)
             raise
         return rows, share
+
+    # -- what the trainer reads (embedding.HeldTables) ------------------------------------
+
+    def shard_layout(self) -> list[dict[str, Any]]:
+        """Every table, whole (``tetrarec.embedding.report.whole_tables_layout``)."""
+        return whole_tables_layout(self.tables)
+
+    def cache_stats(self) -> dict[str, CacheStats]:
+        """``{}``: no table is cached."""
+        return {}
+
+    def counted_cache_stats(self) -> dict[str, CacheStats]:
+        """``{}``: no table is cached."""
+        return {}
+
+    def cached_rows(self) -> dict[str, torch.Tensor]:
+        """``{}``: no table is cached."""
+        return {}
 
     def table_weights(self) -> dict[str, torch.Tensor]:
         """``{table name: (rows, dim) FP32}``, dequantized for low-precision tables.
@@ -601,3 +705,7 @@ class FusedEmbeddingBagCollection(nn.Module):
         for key in state_dict:
             if key.startswith(prefix) and key not in expected and key != f"{prefix}rounding":
                 unexpected_keys.append(key)
+
+
+if TYPE_CHECKING:  # mypy checks that the collection answers the protocol
+    _answers: type[LocalLookup[None]] = FusedEmbeddingBagCollection

@@ -30,10 +30,8 @@ from typing import Any
 
 import torch
 
-from tetrarec.cache import CachedEmbeddingBagCollection
 from tetrarec.comm import Handle
 from tetrarec.embedding import TableConfig
-from tetrarec.kernels import FusedEmbeddingBagCollection
 from tetrarec.sharding.env import ShardingEnv
 from tetrarec.sharding.group import LocalShard, LookupOptions, ShardedGroup, select_features
 from tetrarec.sharding.plan import TablePlan
@@ -236,40 +234,28 @@ class RowwiseAcrossBlocks:
     ) -> None:
         """Add the other blocks' share to the row state of this step's touched rows.
 
-        Each local block's share comes from ``FusedEmbeddingBagCollection.
-        row_gradient_shares`` (one ``tetrarec::tbe_row_gradient_shares`` call: the sum of
-        squares the kernel's own row-wise update of the block adds, bitwise). Cached
-        blocks (``CachedEmbeddingBagCollection``) report each row from the part that
-        holds it, through the batch's slot map (routed again, read-only: the forward's
-        admissions are done, and its backward checks that no later forward moved its
-        rows), and the delta goes to the row's state where it lives (slot or backing).
+        Each local block's share comes from the local module's ``row_gradient_shares``
+        (``tetrarec.kernels.LocalLookup``; for the fused collection one
+        ``tetrarec::tbe_row_gradient_shares`` call: the sum of squares the kernel's own
+        row-wise update of the block adds, bitwise; a cached one reports each row from
+        the part that holds it), and the delta goes to ``add_to_row_state_`` (a cached
+        row's state where it lives, slot or backing store). The batch is prepared again,
+        read-only (``admit=False``): the forward's admissions are done, so it takes the
+        slots the forward's lookup and the coming update use (and a cached backward
+        checks that no later forward moved its rows).
         """
         local = group.local
         shares: dict[str, torch.Tensor] = {}
         runs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # local table -> (rows, S)
         if local is not None and features is not None:
-            route = (
-                local.route(features, admit=False)
-                if isinstance(local, CachedEmbeddingBagCollection)
-                else None
-            )
+            prepared = local.prepare(features, admit=False)
             for name, indices in self.local_runs.items():
                 total = None
                 for i in indices:
                     # One compiled pass per block (per part of a cached block): the
                     # backward's own sort and sums, the squares added as its row-wise
                     # rule adds them.
-                    if route is not None:
-                        assert isinstance(local, CachedEmbeddingBagCollection)
-                        rows, share = local.row_gradient_shares(
-                            i, grad, route, features.weights, self.weight_decay
-                        )
-                    else:
-                        assert isinstance(local, FusedEmbeddingBagCollection)
-                        rows, share = local.row_gradient_shares(
-                            i, grad, features.values, features.lengths, features.weights,
-                            self.weight_decay,
-                        )  # fmt: skip
+                    rows, share = local.row_gradient_shares(i, grad, prepared, self.weight_decay)
                     runs[i] = (rows, share)  # (U,), (U,)
                     total = share if total is None else total + share
                 assert total is not None
@@ -300,10 +286,7 @@ class RowwiseAcrossBlocks:
                 delta = every[name] / self.dims[name] - share / d_block
                 if self.kind is OptimizerKind.ROWWISE_ADAM:
                     delta = delta * ((1.0 - self.beta2) / self.beta2)
-                if isinstance(local, CachedEmbeddingBagCollection):
-                    local.add_to_row_state_(i, key, rows, delta)
-                else:
-                    local.optimizer_state()[local.tables[i].name][key].index_add_(0, rows, delta)
+                local.add_to_row_state_(i, key, rows, delta)
 
 
 class _AcrossBlocks(torch.autograd.Function):

@@ -12,15 +12,18 @@ layout, so the rows equal it bit for bit)::
 
 This all-gathers B x (ids + D) values per table instead of all-reducing a dense
 rows x D gradient, and never materializes a table-sized gradient; it suits the small,
-hot tables data parallelism is for. The ids are gathered while forward goes on.
+hot tables data parallelism is for. The ids are gathered from the input dist on.
 
-Cached replicas (plan placement ``cached`` or ``ssd``: the local module is a
-``CachedEmbeddingBagCollection``) must also make the one process's cache decisions, so
-a training forward waits for the gathered ids and runs the cache's policy step on the
-*global* batch (``route(every, admit=True)``: hits, misses, evictions with write-back,
-admissions, all counted as one process counts them); every replica then holds the same
-slots. It pools its own samples through that slot map (``route(own, admit=False)``),
-and backward applies the global batch's update through the global route::
+The replica runs through ``tetrarec.kernels.LocalLookup`` whatever module it is: a
+training forward waits for the gathered ids and prepares the *global* batch
+(``prepare(every, admit=training)``), pools its own samples
+(``pooled_lookup(prepare(own, admit=False))``), and backward applies the global batch's
+update with the global ``PreparedIds``. For the fused collection preparing changes
+nothing. A cached replica (plan placement ``cached`` or ``ssd``) runs its policy step in
+that forward, on the global batch (hits, misses, evictions with write-back,
+admissions, all counted as one process counts them), so every replica makes the one
+process's cache decisions and holds the same slots; it pools its own samples through
+that slot map, and backward updates through the global route::
 
     R0: f [[1]]                 R1: f [[1, 2]]          (a cache of 1 slot, empty)
     forward on both ranks: policy step on f [[1], [1, 2]] -> row 1 admitted
@@ -38,9 +41,9 @@ from typing import Any
 
 import torch
 
-from tetrarec.cache import CachedEmbeddingBagCollection, CacheRoute
 from tetrarec.comm import Handle
 from tetrarec.embedding import TableConfig
+from tetrarec.kernels import PreparedIds
 from tetrarec.sharding.env import ShardingEnv
 from tetrarec.sharding.group import LocalShard, LookupOptions, ShardedGroup
 from tetrarec.sharding.plan import Shard, ShardingPlan, TablePlan
@@ -83,6 +86,8 @@ class ReplicatedGroup(ShardedGroup):
             for t, _ in tables
         ]
         super().__init__(env, tables, local, options)
+        # an input of every lookup that requires grad, so that its backward always runs
+        self._anchor = torch.empty(0, requires_grad=True)
 
     def input_dist(self, features: SparseFeatures) -> Handle[Routed]:
         """Nothing moves; sizes and bad ids are shared, and (training) ids gathered."""
@@ -142,7 +147,7 @@ class ReplicatedGroup(ShardedGroup):
             pooled: torch.Tensor = self.local(sf).values
             return pooled
         out = _ReplicatedLookup.apply(  # type: ignore[no-untyped-call]  # torch leaves apply unannotated
-            self, routed, sf.weights, self.local._anchor
+            self, routed, sf.weights, self._anchor
         )
         assert isinstance(out, torch.Tensor)
         return out
@@ -153,10 +158,10 @@ class ReplicatedGroup(ShardedGroup):
 
 
 class _ReplicatedLookup(torch.autograd.Function):
-    """Forward: pool this rank's samples. Backward: the global batch's fused update.
+    """Forward: prepare the global batch, pool this rank's samples. Backward: the update.
 
     A cached replica runs its policy step on the global batch in forward (module
-    docstring) and keeps that batch's route for backward.
+    docstring); the global batch's ``PreparedIds`` is kept for backward.
     """
 
     @staticmethod
@@ -169,41 +174,31 @@ class _ReplicatedLookup(torch.autograd.Function):
     ) -> torch.Tensor:
         local = group.local
         assert local is not None  # a replicated group holds every table
-        sf = routed.features
-        ctx.group, ctx.routed, ctx.route = group, routed, None
-        if isinstance(local, CachedEmbeddingBagCollection):
-            assert routed.gathered is not None  # a training forward gathers the ids
-            every = routed.gathered.wait()  # (sum B) samples: the one process's batch
-            route: CacheRoute = local.route(every, admit=local.training)
-            ctx.route = route
-            return local.pooled_lookup(local.route(sf, admit=False), sf.weights)
-        return local.pooled_lookup(sf.values, sf.lengths, sf.weights)
+        assert routed.gathered is not None  # a training forward gathers the ids
+        every = routed.gathered.wait()  # (sum B) samples: the one process's batch
+        # first the global batch (a cache's policy step), then this rank's samples
+        # through the slots it left
+        ctx.group, ctx.routed = group, routed
+        ctx.every = local.prepare(every, admit=local.training)
+        return local.pooled_lookup(local.prepare(routed.features, admit=False))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         group: ReplicatedGroup = ctx.group
         routed: Routed = ctx.routed
+        every: PreparedIds[Any] = ctx.every
         local = group.local
         assert local is not None
-        assert routed.gathered is not None
         comm = group.env.comm
         grads = comm.all_gather_v(
             grad.contiguous(), sizes=list(routed.source_batches), label="backward_grads/replicated"
         ).wait()
-        every = routed.gathered.wait()
         want_psw = routed.features.weights is not None and ctx.needs_input_grad[2]
-        if isinstance(local, CachedEmbeddingBagCollection):
-            psw_grad = local.apply_gradients(
-                torch.cat(grads), ctx.route, every.weights, want_psw=want_psw
-            )
-        else:
-            psw_grad = local.apply_gradients(
-                torch.cat(grads), every.values, every.lengths, every.weights, want_psw=want_psw
-            )
+        psw_grad = local.apply_gradients(torch.cat(grads), every, want_psw=want_psw)
         mine = None
         if want_psw:
             assert psw_grad is not None
-            mine = _own_part(psw_grad, every, routed, comm.rank)
+            mine = _own_part(psw_grad, every.features, routed, comm.rank)
         return None, None, mine, None
 
 

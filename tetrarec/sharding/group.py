@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,14 +28,14 @@ from torch import nn
 from tetrarec.cache import CachedEmbeddingBagCollection, CacheSpec
 from tetrarec.comm import Handle
 from tetrarec.embedding import SparseOptimizerSpec, TableConfig, TableSlice
-from tetrarec.kernels import FusedEmbeddingBagCollection, FusedOptimizer
+from tetrarec.kernels import FusedEmbeddingBagCollection, FusedOptimizer, LocalLookup
 from tetrarec.sharding.env import ShardingEnv
-from tetrarec.sharding.plan import TablePlan
+from tetrarec.sharding.plan import TablePlacement, TablePlan
 from tetrarec.sharding.routing import Routed
 from tetrarec.sparse import SparseFeatures
 from tetrarec.types import Placement, PoolingMode
 
-__all__ = ["LocalShard", "LookupOptions", "ShardedGroup", "select_features"]
+__all__ = ["LocalShard", "LookupOptions", "ShardedGroup", "build_local_lookup", "select_features"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,6 +144,71 @@ def _shard_counts(
     }
 
 
+def build_local_lookup(
+    shards: Sequence[LocalShard],
+    placed: Mapping[str, TablePlacement | None],
+    options: LookupOptions,
+    device: torch.device,
+) -> LocalLookup[Any] | None:
+    """The local lookup module over ``shards`` (``None`` without any shard).
+
+    A ``CachedEmbeddingBagCollection`` when a shard's table is placed ``cached`` or
+    ``ssd``, else a ``FusedEmbeddingBagCollection``; ids are checked once, on the
+    sending rank (``ShardedGroup.bad_id``), so neither checks them again.
+
+    Args:
+        shards: this rank's shards of a group.
+        placed: ``{global table name: its plan placement}``.
+        options: how the modules are built.
+        device: the rank's device.
+    """
+    if not shards:
+        return None
+    configs, slices = [s.config() for s in shards], [s.slice() for s in shards]
+    cached = {
+        s.name: where
+        for s in shards
+        if (where := placed[s.table.name]) is not None
+        and where.placement in (Placement.CACHED, Placement.SSD)
+    }
+    if not cached:
+        return FusedEmbeddingBagCollection(
+            configs,
+            options.optimizer,
+            check_bounds=False,
+            deterministic=options.deterministic,
+            stochastic_rounding=options.stochastic_rounding,
+            seed=options.seed,
+            device=device,
+            slices=slices,
+        )
+    # each rank caches its own shards, at the plan's fraction of their rows (the only
+    # size: a byte budget is the config's for the tables together, turned into
+    # fractions by the run, not this group's); on an accelerator the slots live in its
+    # memory and the backing rows in host memory, and the uncached shards stay in its
+    # memory ("device")
+    fractions = {n: w.cache_fraction for n, w in cached.items()}
+    given = options.cache or CacheSpec(fraction=0.0)
+    on_cpu = device.type in ("cpu", "meta")
+    uncached = Placement.HOST if on_cpu else Placement.DEVICE
+    return CachedEmbeddingBagCollection(
+        configs,
+        options.optimizer,
+        dataclasses.replace(given, fraction=0.0, bytes=None),
+        placements={
+            s.name: cached[s.name].placement if s.name in cached else uncached for s in shards
+        },
+        fractions={n: f for n, f in fractions.items() if f > 0},
+        check_bounds=False,
+        deterministic=options.deterministic,
+        stochastic_rounding=options.stochastic_rounding,
+        seed=options.seed,
+        slices=slices,
+        static_counts=_shard_counts(shards, options.static_counts),
+        device=None if on_cpu else device,
+    )
+
+
 class ShardedGroup(nn.Module):
     """Base of the groups (see the module docstring).
 
@@ -155,7 +221,8 @@ class ShardedGroup(nn.Module):
     Attributes:
         feature_names: the global features this group pools, in its output order.
         feature_dims: their dims.
-        local: the fused kernels over this rank's shards (``None`` without any).
+        local: the local lookup module over this rank's shards (``None`` without
+            any; ``build_local_lookup``).
     """
 
     def __init__(
@@ -172,53 +239,11 @@ class ShardedGroup(nn.Module):
         self.feature_names = tuple(f for t in self.tables for f in t.feature_names)
         self.feature_dims = tuple(t.dim for t in self.tables for _ in t.feature_names)
         self.shards = tuple(local)
-        self.local: FusedEmbeddingBagCollection | CachedEmbeddingBagCollection | None = None
-        placed = {t.name: p.placement for t, p in tables}
-        cached = {
-            s.name: where
-            for s in self.shards
-            if (where := placed[s.table.name]) is not None
-            and where.placement in (Placement.CACHED, Placement.SSD)
-        }
-        if cached:
-            # each rank caches its own shards, at the plan's fraction of their rows (the
-            # only size: a byte budget is the config's for the tables together, turned
-            # into fractions by the run, not this group's); on an accelerator the slots
-            # live in its memory and the backing rows in host memory, and the uncached
-            # shards stay in its memory ("device")
-            fractions = {n: w.cache_fraction for n, w in cached.items()}
-            given = options.cache or CacheSpec(fraction=0.0)
-            spec = dataclasses.replace(given, fraction=0.0, bytes=None)
-            on_cpu = env.device.type in ("cpu", "meta")
-            uncached = Placement.HOST if on_cpu else Placement.DEVICE
-            self.local = CachedEmbeddingBagCollection(
-                [s.config() for s in self.shards],
-                options.optimizer,
-                spec,
-                placements={
-                    s.name: cached[s.name].placement if s.name in cached else uncached
-                    for s in self.shards
-                },
-                fractions={n: f for n, f in fractions.items() if f > 0},
-                check_bounds=False,
-                deterministic=options.deterministic,
-                stochastic_rounding=options.stochastic_rounding,
-                seed=options.seed,
-                slices=[s.slice() for s in self.shards],
-                static_counts=_shard_counts(self.shards, options.static_counts),
-                device=None if on_cpu else env.device,
-            )
-        elif self.shards:
-            self.local = FusedEmbeddingBagCollection(
-                [s.config() for s in self.shards],
-                options.optimizer,
-                check_bounds=False,  # checked once, on the sending rank (input_dist)
-                deterministic=options.deterministic,
-                stochastic_rounding=options.stochastic_rounding,
-                seed=options.seed,
-                device=env.device,
-                slices=[s.slice() for s in self.shards],
-            )
+        #: The local lookup module over this rank's shards (``None`` without any): run
+        #: through ``LocalLookup`` only, whichever collection ``build_local_lookup`` chose.
+        self.local: LocalLookup[Any] | None = build_local_lookup(
+            self.shards, {t.name: p.placement for t, p in tables}, options, env.device
+        )
         self.check_bounds = options.check_bounds
 
     @property

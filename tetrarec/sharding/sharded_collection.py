@@ -25,10 +25,10 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from tetrarec.cache import CachedEmbeddingBagCollection, CacheStats
+from tetrarec.cache import CacheStats
 from tetrarec.comm import Handle
 from tetrarec.embedding import TableConfig, feature_order
-from tetrarec.kernels import FusedEmbeddingBagCollection, FusedOptimizer
+from tetrarec.kernels import FusedOptimizer, LocalLookup
 from tetrarec.sharding.env import ShardingEnv
 from tetrarec.sharding.group import LookupOptions, ShardedGroup
 from tetrarec.sharding.plan import ShardingPlan, TablePlan
@@ -140,7 +140,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def _groups(self) -> list[ShardedGroup]:
         return [g for g in self.groups if isinstance(g, ShardedGroup)]
 
-    def _locals(self) -> list[FusedEmbeddingBagCollection | CachedEmbeddingBagCollection]:
+    def _locals(self) -> list[LocalLookup[Any]]:
         return [g.local for g in self._groups() if g.local is not None]
 
     def forward(self, features: SparseFeatures) -> PooledEmbeddings:
@@ -200,8 +200,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """
         out: dict[str, CacheStats] = {}
         for local in self._locals():
-            if isinstance(local, CachedEmbeddingBagCollection):
-                out.update(local.cache_stats())
+            out.update(local.cache_stats())  # {} from a module without a cache
         return out
 
     def counted_cache_stats(self) -> dict[str, CacheStats]:
@@ -235,8 +234,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """
         out: dict[str, torch.Tensor] = {}
         for local in self._locals():
-            if isinstance(local, CachedEmbeddingBagCollection):
-                out.update(local.cached_rows())
+            out.update(local.cached_rows())  # {} from a module without a cache
         return out
 
     # -- FusedState -----------------------------------------------------------------------

@@ -20,7 +20,7 @@ from torch import nn
 
 from tetrarec.config import EmbeddingKind, ModelConfig, RunConfig
 from tetrarec.config.tables import build_tables
-from tetrarec.embedding import EmbeddingBagCollection, SparseOptimizerSpec, TableConfig
+from tetrarec.embedding import EmbeddingBagCollection, HeldTables, SparseOptimizerSpec, TableConfig
 from tetrarec.models import DLRM, EmbeddingModule, build_model
 from tetrarec.sharding import ShardingEnv, ShardingPlan
 from tetrarec.train.optim import build_dense_optimizer, build_sparse_optimizer
@@ -35,6 +35,8 @@ __all__ = [
     "build_parts",
     "check_cache_dir",
     "embedding_optimizer",
+    "held_tables",
+    "model_collections",
     "model_embeddings",
 ]
 
@@ -168,6 +170,40 @@ def model_embeddings(model: DLRM) -> EmbeddingModule:
     if not isinstance(embeddings, EmbeddingModule):
         raise TypeError(
             f"{type(embeddings).__name__} does not follow tetrarec.models.EmbeddingModule"
+        )
+    return embeddings
+
+
+def model_collections(model: nn.Module) -> list[HeldTables]:
+    """Every embedding collection of ``model``, outermost first found.
+
+    The model's embeddings and a first-order term's rows (sharded or not), never the
+    local kernels inside a sharded collection.
+    """
+    found: list[HeldTables] = []
+    inside: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(p) for p in inside):
+            continue
+        if isinstance(module, HeldTables):
+            found.append(module)
+            inside.append(f"{name}.")
+    return found
+
+
+def held_tables(embeddings: object) -> HeldTables:
+    """Return ``embeddings``, typed by what the trainer reads of every collection.
+
+    Its shard layout and cache counters (``tetrarec.embedding.HeldTables``): the
+    reference, fused, cached and sharded collections all answer them, so the trainer
+    never asks which it holds.
+
+    Raises:
+        TypeError: if the module lacks a member of ``HeldTables``.
+    """
+    if not isinstance(embeddings, HeldTables):
+        raise TypeError(
+            f"{type(embeddings).__name__} does not follow tetrarec.embedding.HeldTables"
         )
     return embeddings
 

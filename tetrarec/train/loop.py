@@ -49,9 +49,13 @@ from tetrarec.comm import LaunchInfo, destroy, is_joined
 from tetrarec.config import RunConfig
 from tetrarec.data import BatchLoader, input_bad_lines
 from tetrarec.kernels import build_cpu_kernels
-from tetrarec.sharding import ShardedEmbeddingBagCollection
 from tetrarec.sparse import Batch
-from tetrarec.train.build import RunParts, build_parts, model_embeddings
+from tetrarec.train.build import (
+    RunParts,
+    build_parts,
+    held_tables,
+    model_embeddings,
+)
 from tetrarec.train.checkpoint import (
     best_checkpoint,
     latest_checkpoint,
@@ -474,10 +478,8 @@ class _Run:
         data-parallel table, one column block); the first call finds out whether any
         rank has one, and later calls skip the collective when none does.
         """
-        tables = self._cache_stats()
-        embeddings = self.parts.model.get_submodule("embeddings")
-        if isinstance(embeddings, ShardedEmbeddingBagCollection):  # each table's lookups once
-            tables = embeddings.counted_cache_stats()
+        embeddings = held_tables(self.parts.model.get_submodule("embeddings"))
+        tables = embeddings.counted_cache_stats()  # each table's lookups once
         mine = CacheStats.total(tables.values()) if tables else None
         if self.env is None or self.world == 1 or self._cached_anywhere is False:
             return mine

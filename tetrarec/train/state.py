@@ -36,8 +36,7 @@ import torch
 
 from tetrarec.config import ModelConfig, RunConfig
 from tetrarec.data import DenseTransform, TransformedDataset
-from tetrarec.sharding import ShardedEmbeddingBagCollection
-from tetrarec.train.build import RunParts
+from tetrarec.train.build import RunParts, model_collections
 from tetrarec.train.checkpoint import (
     CheckpointData,
     capture_rng_state,
@@ -172,12 +171,7 @@ def _save_sharded(
     bad = comm.all_reduce(torch.tensor([float(bool(_non_finite(tensors)))]), label="checkpoint")
     _check_finite(tensors, step, int(bad.wait()[0]))
     own.update(rng[0])
-    shards = [
-        entry
-        for module in parts.model.modules()
-        if isinstance(module, ShardedEmbeddingBagCollection)
-        for entry in module.shard_layout()
-    ]
+    shards = [e for c in model_collections(parts.model) for e in c.shard_layout()]
     # The blocks this rank's optimizer state is keyed by (each rank's own: rank 0's meta
     # is the one written, and an SGD block has no tensor to name it).
     keys = meta["sparse_optim"]["keys"]

@@ -28,11 +28,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tetrarec.cache import CachedEmbeddingBagCollection, CachePolicy, count_ids
+from tetrarec.cache import CachePolicy, count_ids
 from tetrarec.config import RunConfig
 from tetrarec.config.tables import build_tables
 from tetrarec.data import BatchLoader, Dataset
-from tetrarec.sharding import ShardedEmbeddingBagCollection, ShardingEnv
+from tetrarec.sharding import ShardingEnv
+from tetrarec.train.build import held_tables
 from tetrarec.types import Placement
 
 __all__ = ["PinnedRows", "log_pinned", "pinned_rows", "sample_counts"]
@@ -126,26 +127,25 @@ def pinned_rows(module: nn.Module, counts: Mapping[str, torch.Tensor]) -> list[P
     """What each cached table (or this rank's cached shard) of ``module`` pinned.
 
     Args:
-        module: the run's embedding module: a ``CachedEmbeddingBagCollection`` or a
-            ``ShardedEmbeddingBagCollection`` (anything else pins nothing).
+        module: the run's embedding module (``build.held_tables``: its cached rows, by
+            local table, and where each local table sits in its global table; a
+            collection without a cache pins nothing).
         counts: ``sample_counts``.
 
     Returns:
         One ``PinnedRows`` per cached local table.
+
+    Raises:
+        TypeError: for a module that does not report its tables (``HeldTables``).
     """
-    if isinstance(module, ShardedEmbeddingBagCollection):
-        cached, layout = module.cached_rows(), module.shard_layout()
-    elif isinstance(module, CachedEmbeddingBagCollection):
-        cached, layout = module.cached_rows(), []
-    else:
-        return []
-    where = {e["name"]: e for e in layout}
+    held = held_tables(module)
+    where = {e["name"]: e for e in held.shard_layout()}
     out = []
-    for name, local in cached.items():
-        entry = where.get(name)
-        table = entry["table"] if entry is not None else name
+    for name, local in held.cached_rows().items():
+        entry = where[name]
+        table = entry["table"]
         c = counts[table]
-        first, last = entry["rows"] if entry is not None else (0, c.numel())
+        first, last = entry["rows"]
         rows = local + first
         out.append(
             PinnedRows(

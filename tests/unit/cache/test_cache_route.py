@@ -1,4 +1,4 @@
-"""The cached collection's public split (``route``, ``pooled_lookup``, ``apply_gradients``).
+"""The cached collection's public split (``prepare``, ``pooled_lookup``, ``apply_gradients``).
 
 Data-parallel replicas use it to run the policy step on the global batch and pool only
 their own samples; these tests check the split in one process, and through a one-rank
@@ -67,7 +67,7 @@ STAGED = pytest.mark.parametrize("staged", [False, True], ids=["in-place", "stag
 def test_policy_step_on_the_whole_batch_then_pooling_halves_equals_forward(staged):
     """What a data-parallel replica does, in one process: the policy step on the whole
     batch, each half pooled through the resulting slot map, the whole batch's update.
-    Bugs caught: ``route(admit=False)`` changing the cache (counters, slots), a route
+    Bugs caught: ``prepare(admit=False)`` changing the cache (counters, slots), a route
     of a sub-batch that maps ids to other slots than the whole batch's, or an update
     through the split path that differs from ``forward``/``backward`` (rows, state,
     counters, dirty flags: the evictions of later steps write them back)."""
@@ -78,12 +78,12 @@ def test_policy_step_on_the_whole_batch_then_pooling_halves_equals_forward(stage
         grad = torch.randn(6, 11, generator=torch.Generator().manual_seed(step))
         want = plain(whole).values
         want.backward(grad)
-        route = split.route(whole, admit=True)
+        every = split.prepare(whole, admit=True)
         before = split.cache_stats()
-        got = torch.cat([split.pooled_lookup(split.route(h, admit=False), None) for h in halves(b)])
+        got = torch.cat([split.pooled_lookup(split.prepare(h, admit=False)) for h in halves(b)])
         assert split.cache_stats() == before  # reading routes count nothing
         assert torch.equal(got, want.detach()), step
-        split.apply_gradients(grad, route, None)
+        split.apply_gradients(grad, every)
     assert split.cache_stats() == plain.cache_stats()
     assert all(s.evictions > 0 for s in plain.cache_stats().values())
     for name, w in plain.table_weights().items():
@@ -93,14 +93,14 @@ def test_policy_step_on_the_whole_batch_then_pooling_halves_equals_forward(stage
             assert torch.equal(split.optimizer_state()[name][key], value), (name, key)
 
 
-def test_route_refuses_features_in_another_order():
-    """``route`` indexes ids by the collection's feature order; a batch keyed otherwise
+def test_prepare_refuses_features_in_another_order():
+    """``prepare`` indexes ids by the collection's feature order; a batch keyed otherwise
     would pool rows of one table through another's slot map. Bug caught: a caller
     (a sharding group) handing its own key order without an error."""
     module = cached()
     sf = SparseFeatures.from_lists({"b": [[1]], "f0": [[2]], "f1": [[3]]})
     with pytest.raises(ValueError, match=r"must be keyed \('f0', 'f1', 'b'\)"):
-        module.route(sf, admit=True)
+        module.prepare(sf, admit=True)
 
 
 def one_rank_data_parallel() -> ShardedEmbeddingBagCollection:
@@ -191,10 +191,10 @@ def test_row_gradient_shares_and_row_state_follow_the_row_into_its_slot(staged):
             out.backward(torch.ones_like(out))
     sf = SparseFeatures.from_lists(bags(2))
     grad = torch.randn(6, 11, generator=torch.Generator().manual_seed(2))
-    route = cached.route(sf, admit=True)
+    prepared = cached.prepare(sf, admit=True)
     for i in range(2):
-        rows, share = cached.row_gradient_shares(i, grad, route, None, 0.05)
-        want_rows, want = plain.row_gradient_shares(i, grad, sf.values, sf.lengths, None, 0.05)
+        rows, share = cached.row_gradient_shares(i, grad, prepared, 0.05)
+        want_rows, want = plain.row_gradient_shares(i, grad, plain.prepare(sf, admit=False), 0.05)
         assert torch.equal(rows, want_rows), i
         assert torch.equal(share, want), i
     c = cached._caches[0]

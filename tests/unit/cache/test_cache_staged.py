@@ -180,16 +180,17 @@ def test_staged_lookup_adds_the_parts_then_divides_by_the_whole_bag(tmp_path):
     module = build(tabs, ADAGRAD, "lru", "cached", tmp_path, force_staged_copies=True)
     run(module, tabs, False, steps=2)  # warm: some rows cached
     sf = batch(7, tabs, False)
-    route = module.route(sf, admit=False)
+    prepared = module.prepare(sf, admit=False)
+    route = prepared.route
     parts = module._parts
     assert all(v.numel() for v in route.values)  # both parts pool ids of this batch
     assert bool((route.lengths[0] > 0).logical_and(route.lengths[1] > 0).any())  # mixed bags
     want = torch.zeros(route.batch, sum(module.feature_dims))
     for p in sorted(range(len(parts)), key=lambda p: parts[p].kind == CACHE):
-        pooled = parts[p].module.pooled_lookup(route.values[p], route.lengths[p], None)
+        pooled = parts[p].module.pool_ids(route.values[p], route.lengths[p], None)
         want[:, parts[p].columns] += pooled
     want /= route.divisor
-    assert torch.equal(module.pooled_lookup(route, None), want)
+    assert torch.equal(module.pooled_lookup(prepared), want)
 
 
 @pytest.mark.parametrize("spec", [ADAGRAD, ADAM, SparseOptimizerSpec(kind="sgd", lr=0.1)])

@@ -140,28 +140,28 @@ def test_a_dim_1_tables_per_element_state_keeps_its_column():
     assert shapes == {"exp_avg": (6, 1), "exp_avg_sq": (6, 1), "step": (6,)}
 
 
-def test_apply_gradients_returns_the_weights_gradient_only_when_asked():
-    """``apply_gradients`` returns ``None`` unless ``want_psw`` (its documented default),
+def test_update_ids_returns_the_weights_gradient_only_when_asked():
+    """``update_ids`` returns ``None`` unless ``want_psw`` (its documented default),
     and the ``(N,)`` gradient of the per-id weights when asked, with the same update."""
     sf = SparseFeatures.from_lists({"a": [[1, 2], [3]], "b_click": [[0], []], "b_view": [[4], [1]]})
     psw = torch.linspace(0.5, 1.5, sf.values.numel())
     grad = torch.ones(2, 12)
     plain = FusedEmbeddingBagCollection(TABLES, SGD, seed=0)
     asked = FusedEmbeddingBagCollection(TABLES, SGD, seed=0)
-    assert plain.apply_gradients(grad, sf.values, sf.lengths, psw) is None
-    got = asked.apply_gradients(grad, sf.values, sf.lengths, psw, want_psw=True)
+    assert plain.update_ids(grad, sf.values, sf.lengths, psw) is None
+    got = asked.update_ids(grad, sf.values, sf.lengths, psw, want_psw=True)
     assert got is not None
     assert got.shape == (sf.values.numel(),)
     assert all(torch.equal(v, asked.table_weights()[k]) for k, v in plain.table_weights().items())
 
 
 def test_each_update_advances_the_rounding_stream_by_one():
-    """Every ``apply_gradients`` moves the stochastic-rounding iteration on by one, and the
+    """Every ``update_ids`` moves the stochastic-rounding iteration on by one, and the
     state dict saves it, so a resumed run rounds as the uninterrupted one."""
     ebc = FusedEmbeddingBagCollection(TABLES, SGD, seed=5)
     sf = SparseFeatures.from_lists({"a": [[1], [2]], "b_click": [[0], [4]], "b_view": [[3], []]})
     for _ in range(3):
-        ebc.apply_gradients(torch.ones(2, 12), sf.values, sf.lengths, None)
+        ebc.update_ids(torch.ones(2, 12), sf.values, sf.lengths, None)
     assert ebc.iteration == 3
     assert ebc.state_dict()["rounding"].tolist() == [5, 3]
 
@@ -182,7 +182,7 @@ def test_per_id_weights_gradient_sums_over_the_row_stores():
     for f, (name, bags) in enumerate((("a", [[1, 2], [3]]), ("b", [[0], [4, 4]]))):
         for b, bag in enumerate(bags):
             want += [float(grad[b, 4 * f : 4 * f + 4] @ w[name][i]) for i in bag]
-    got = ebc.apply_gradients(grad, sf.values, sf.lengths, psw, want_psw=True)
+    got = ebc.update_ids(grad, sf.values, sf.lengths, psw, want_psw=True)
     assert got is not None
     torch.testing.assert_close(got, torch.tensor(want), rtol=1e-6, atol=1e-6)
 
@@ -268,7 +268,7 @@ def test_the_defaults_check_bounds_deterministically_and_round_stochastically():
 
     def updated(**kwargs: bool) -> torch.Tensor:
         ebc = FusedEmbeddingBagCollection(tables, SGD, seed=2, **kwargs)
-        ebc.apply_gradients(grad, sf.values, sf.lengths, None)
+        ebc.update_ids(grad, sf.values, sf.lengths, None)
         return ebc.table_weights()["h"]
 
     default = FusedEmbeddingBagCollection(tables, SGD, seed=2)

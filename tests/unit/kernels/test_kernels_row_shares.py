@@ -1,6 +1,6 @@
 """``tetrarec::tbe_row_gradient_shares``: one table's touched rows and per-row sums of g'^2.
 
-The op (``FusedEmbeddingBagCollection.row_gradient_shares``) serves column-split tables
+The op (``FusedEmbeddingBagCollection.row_gradient_shares_of_ids``) serves column-split tables
 under row-wise optimizers (``sharding/block_group.py``): each column block reports, per
 touched row, ``sum_d g'_d^2`` over its columns, ``g' = g + weight_decay * w``, and the
 blocks exchange these shares. The tests check it
@@ -11,7 +11,7 @@ blocks exchange these shares. The tests check it
   two features (duplicates within and across them), and every table of a store of
   three (the op must report the asked table's rows only; one table gets no ids);
 * against the update itself: with row-wise Adagrad starting from a zero accumulator,
-  the state after ``apply_gradients`` is exactly ``share / D`` (compiled kernel);
+  the state after ``update_ids`` is exactly ``share / D`` (compiled kernel);
 * across thread counts (1 and 2), bitwise, at sizes above every parallel split of the
   kernel, and against the portable reference there;
 * for its errors (a table outside the store, an id outside its table).
@@ -111,7 +111,7 @@ def test_shares_equal_the_naive_sums_bitwise(kernel_path, precision, pooling, we
     sf = _features(ebc, weighted, seed=2)
     grad = torch.randn(B, sum(ebc.feature_dims), generator=torch.Generator().manual_seed(3))
     for i, t in enumerate(ebc.tables):
-        rows, share = ebc.row_gradient_shares(
+        rows, share = ebc.row_gradient_shares_of_ids(
             i, grad, sf.values, sf.lengths, sf.weights, weight_decay=wd
         )
         want_rows, want_share = _oracle(ebc, i, sf, grad, wd)
@@ -128,7 +128,7 @@ def test_shares_are_within_the_documented_bound_of_a_torch_sum(kernel_path):
     sf = _features(ebc, weighted=True, seed=5)
     grad = torch.randn(B, sum(ebc.feature_dims), generator=torch.Generator().manual_seed(6))
     for i, t in enumerate(ebc.tables[:2]):
-        rows, share = ebc.row_gradient_shares(i, grad, sf.values, sf.lengths, sf.weights, WD)
+        rows, share = ebc.row_gradient_shares_of_ids(i, grad, sf.values, sf.lengths, sf.weights, WD)
         got_rows, g, w = ebc.row_gradients(i, grad, sf.values, sf.lengths, sf.weights)
         g = g + WD * w
         assert torch.equal(rows, got_rows)
@@ -150,8 +150,10 @@ def test_share_is_what_the_rowwise_update_adds(kernel_path, precision):
     )  # fmt: skip
     sf = _features(ebc, weighted=False, seed=8)
     grad = torch.randn(B, sum(ebc.feature_dims), generator=torch.Generator().manual_seed(9))
-    shares = [ebc.row_gradient_shares(i, grad, sf.values, sf.lengths, None, WD) for i in (0, 1)]
-    ebc.apply_gradients(grad, sf.values, sf.lengths, None)
+    shares = [
+        ebc.row_gradient_shares_of_ids(i, grad, sf.values, sf.lengths, None, WD) for i in (0, 1)
+    ]
+    ebc.update_ids(grad, sf.values, sf.lengths, None)
     state = ebc.optimizer_state()
     for (rows, share), t in zip(shares, ebc.tables):
         assert rows.numel() >= 8  # the interleaved 8-row branch runs
@@ -256,7 +258,7 @@ def test_id_outside_its_table_names_the_feature(kernel_path):
     values[start] = 300
     grad = torch.zeros(B, sum(ebc.feature_dims))
     with pytest.raises(ValueError, match="feature 'b': id 300 is outside its table 'b'"):
-        ebc.row_gradient_shares(1, grad, values, sf.lengths, None, 0.0)
+        ebc.row_gradient_shares_of_ids(1, grad, values, sf.lengths, None, 0.0)
     # table "a" never reads feature b's ids
-    rows, _ = ebc.row_gradient_shares(0, grad, values, sf.lengths, None, 0.0)
+    rows, _ = ebc.row_gradient_shares_of_ids(0, grad, values, sf.lengths, None, 0.0)
     assert rows.numel() > 0
