@@ -35,22 +35,16 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's tetrarec, as the runs below use
+
+from tetrarec.config import RunConfig  # noqa: E402
+from tetrarec.types import ShardingType  # noqa: E402
+
 DEFAULT_CONFIGS = ("examples/criteo_kaggle_sample.toml", "examples/avazu_sample.toml")
-MIXED = (
-    "table_wise",
-    "row_wise",
-    "column_wise",
-    "data_parallel",
-    "table_row_wise",
-    "table_column_wise",
-)
 
 
 def _recipe(config: str, overrides: tuple[str, ...] = ()) -> tuple[int, int]:
     """``(tables, global batch size)`` of a recipe (with the run's overrides)."""
-    sys.path.insert(0, str(ROOT))
-    from tetrarec.config import RunConfig
-
     run = RunConfig.from_toml(config, list(overrides))
     return run.model.num_sparse, run.data.batch_size
 
@@ -71,7 +65,8 @@ def _plan_overrides(plan: str, config: str) -> list[str]:
         return []
     if plan == "mixed":
         n, _ = _recipe(config)
-        types = [MIXED[i % len(MIXED)] for i in range(n)]
+        every = [t.value for t in ShardingType]  # the registered types, in order
+        types = [every[i % len(every)] for i in range(n)]
         return [f"sharding.type={','.join(types)}"]
     return [f"sharding.type={plan}"]
 

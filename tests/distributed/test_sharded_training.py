@@ -157,6 +157,17 @@ def one_process(*extra: str) -> dict:
     return train(RunConfig().with_overrides([*TINY, *extra])).to_dict()
 
 
+def assert_one_process_metrics(per_rank: list[dict], extra: tuple[str, ...]) -> None:
+    """Every rank's final evaluation is one process's (log loss 1e-5, AUC 1e-4)."""
+    ref = one_process(*extra)["final"]
+    for rank, res in enumerate(per_rank):
+        assert res["ok"], res
+        got = res["final"]
+        assert got["num_samples"] == ref["num_samples"] == 289, rank
+        assert abs(got["log_loss"] - ref["log_loss"]) < 1e-5, (rank, got, ref)
+        assert abs(got["auc"] - ref["auc"]) < 1e-4, (rank, got, ref)
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     ("name", "extra"), [("row_wise", ("optim.sparse.kind=sgd",)), ("mixed", DENSE)]
@@ -166,13 +177,7 @@ def test_sharded_training_ends_with_one_process_metrics(two_ranks, name, extra):
     instead of summed (half the step), eval over rank 0's slice only, ranks fitting or
     applying other dense statistics than one process."""
     results, _ = two_ranks
-    ref = one_process(*extra)["final"]
-    for rank, res in enumerate(results[name]):
-        assert res["ok"], res
-        got = res["final"]
-        assert got["num_samples"] == ref["num_samples"] == 289, rank
-        assert abs(got["log_loss"] - ref["log_loss"]) < 1e-5, (rank, got, ref)
-        assert abs(got["auc"] - ref["auc"]) < 1e-4, (rank, got, ref)
+    assert_one_process_metrics(results[name], extra)
 
 
 @pytest.mark.parametrize(
@@ -191,13 +196,7 @@ def test_a_first_order_term_shards_and_trains_as_one_process(two_ranks, name, ex
     plan (refused), a rank's first-order rows looked up for another rank's samples, or
     a first-order table given another optimizer than one process's Adagrad."""
     results, _ = two_ranks
-    ref = one_process(*extra)["final"]
-    for rank, res in enumerate(results[name]):
-        assert res["ok"], res
-        got = res["final"]
-        assert got["num_samples"] == ref["num_samples"] == 289, rank
-        assert abs(got["log_loss"] - ref["log_loss"]) < 1e-5, (rank, got, ref)
-        assert abs(got["auc"] - ref["auc"]) < 1e-4, (rank, got, ref)
+    assert_one_process_metrics(results[name], extra)
 
 
 def test_a_sharded_first_order_term_resumes_bitwise_from_each_ranks_blocks(two_ranks):
