@@ -142,6 +142,7 @@ def two_ranks(tmp_path_factory):
         Scenario("first_order_row_wise", (*TINY, "sharding.type=row_wise", *FIRST_ORDER)),
         Scenario("first_order_cached", (*TINY, *CACHED, *FIRST_ORDER)),
         Scenario("first_order_planned", (*TINY, *FIRST_ORDER, "optim.sparse.kind=sgd")),
+        Scenario("uneven_batch", (*TINY, MIXED, *FIRST_ORDER, "data.batch_size=47")),
         Scenario("rank_1_other_config", TINY, rank_overrides=((1, ("optim.sparse.lr=0.2",)),)),
         Scenario("unknown_table", (*TINY, f"sharding.plan={tmp / 'unknown.json'}")),
         Scenario("block_not_dividing", (*TINY, "sharding.type=column_wise",
@@ -197,6 +198,14 @@ def test_a_first_order_term_shards_and_trains_as_one_process(two_ranks, name, ex
     a first-order table given another optimizer than one process's Adagrad."""
     results, _ = two_ranks
     assert_one_process_metrics(results[name], extra)
+
+
+def test_a_global_batch_that_does_not_divide_by_the_ranks_trains_as_one_process(two_ranks):
+    """A batch of 47 on 2 ranks (24 and 23 samples). Bugs caught: the batch refused (the
+    recipes' batches could not train on 3 ranks), a rank's loss scaled by its own slice
+    instead of the global batch, a collective sized for equal slices."""
+    results, _ = two_ranks
+    assert_one_process_metrics(results["uneven_batch"], (MIXED, *FIRST_ORDER, "data.batch_size=47"))
 
 
 def test_a_sharded_first_order_term_resumes_bitwise_from_each_ranks_blocks(two_ranks):

@@ -7,7 +7,8 @@ process and then shards the trained collection (``shard_collection``); 3 trainin
 and an evaluation pass each. The tables have row counts not divisible by any world size
 (11, 7, 5) and one table is looked up by two features. Per type, two more cases train a
 DLRM's first-order tables (dim 1, FP32, zero-initialized, Adagrad), plain and weighted.
-TW/RW/CW/DP and a mixed plan run
+One more per type trains a global batch of 13 samples, which no world size divides
+(ranks hold slices of different sizes). TW/RW/CW/DP and a mixed plan run
 at world sizes 2 and 3; TWRW/TWCW (and a mixed hierarchical plan) at 4 = 2 nodes x 2
 ranks. One spawn per world size runs all its cases.
 
@@ -105,6 +106,19 @@ def cases_for(types: dict[str, tuple[tuple[str, ...], bool, bool]]) -> list[Equi
                 steps=3,
                 warm_start_steps=1,
                 exact=exact_elementwise,
+            )
+        )
+        out.append(
+            EquivalenceCase(
+                name=f"{name}/rowwise_adagrad/sum-weighted/fp32/uneven-batch",
+                tables=tables("sum"),
+                types=kinds,
+                optimizer=ROWWISE_ADAGRAD,
+                batch_size=13,  # no world size divides it: ranks hold 6/7, 4/4/5, 3/3/3/4
+                weighted=True,
+                weight_grad=True,
+                steps=3,
+                exact=exact_rowwise,
             )
         )
         out.append(

@@ -102,20 +102,21 @@ class BatchLoader:
         dataset: rows to read.
         batch_size: the global batch ``B`` (all ranks together).
         rank: this rank ``r``.
-        world_size: ranks ``W``; with ``drop_last`` (training), ``B`` must divide by ``W``
-            (each reads ``B/W`` rows); without it (evaluation) any ``B`` splits.
+        world_size: ranks ``W``: each reads ``B/W`` rows of a global batch; a ``B`` that
+            does not divide by ``W`` splits as evenly as it can (``np.array_split``: the
+            first ``B % W`` ranks read one row more), in training and evaluation alike.
         shuffle: permute rows each epoch (depends only on ``(seed, epoch)``).
         seed: the shuffle seed; every rank must pass the same.
-        drop_last: drop the last, partial global batch of an epoch. When kept, it (and
-            every batch, if ``B`` does not divide by ``W``) is split as evenly as
-            possible (``np.array_split``), so ranks may differ by a row.
+        drop_last: drop the last, partial global batch of an epoch. When kept, it is
+            split as evenly as possible (``np.array_split``), so ranks may differ by a
+            row.
         prefetch: batches read ahead in a background thread; 0 reads in the caller.
         start_batch: the global batch number to start at (resume).
         epochs: stop after this many epochs (counted from batch 0); None runs forever.
 
     Raises:
-        ValueError: on a bad rank, a batch that does not split over the ranks, or a
-            dataset smaller than one batch with ``drop_last``.
+        ValueError: on a bad rank, or a dataset smaller than one batch with
+            ``drop_last``.
     """
 
     def __init__(
@@ -137,8 +138,6 @@ class BatchLoader:
                 f"need batch_size > 0 and 0 <= rank < world_size, got batch_size={batch_size}, "
                 f"rank={rank}, world_size={world_size}"
             )
-        if drop_last and batch_size % world_size:
-            raise ValueError(f"global batch {batch_size} does not split over {world_size} ranks")
         if prefetch < 0 or start_batch < 0 or (epochs is not None and epochs < 0):
             raise ValueError(
                 f"prefetch, start_batch and epochs must be >= 0, "
@@ -157,8 +156,8 @@ class BatchLoader:
 
     @property
     def local_batch_size(self) -> int:
-        """Rows per rank in a full batch, ``B / W``."""
-        return self.batch_size // self.world_size
+        """Rows per rank in a full batch, ``B / W`` (the most a rank reads: rounded up)."""
+        return -(-self.batch_size // self.world_size)
 
     @property
     def num_batches(self) -> int | None:
@@ -194,7 +193,7 @@ class BatchLoader:
         """Rows of this rank's slice of global batch ``number``."""
         rows = self.global_indices(number)
         if rows.shape[0] == self.batch_size and self.batch_size % self.world_size == 0:
-            step = self.local_batch_size
+            step = self.batch_size // self.world_size
             return rows[self.rank * step : (self.rank + 1) * step]
         return np.array_split(rows, self.world_size)[self.rank]
 

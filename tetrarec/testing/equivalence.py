@@ -62,7 +62,8 @@ class EquivalenceCase:
         types: one sharding type value per table (or one for all); ignored with ``plan``.
         plan: a plan as JSON-compatible data, instead of ``types``.
         optimizer: the fused rule.
-        batch_size: the global batch (divisible by the world size).
+        batch_size: the global batch (any size: rank ``r`` takes samples
+            ``[r*B//W, (r+1)*B//W)``).
         steps: training steps (K >= 2: optimizer-state bugs show from step 2).
         weighted: per-id weights on the sum-pooled features.
         max_len: the longest bag.

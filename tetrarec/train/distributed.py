@@ -79,12 +79,13 @@ def sharding_env(
         second_group(comm),
     )
     check_ranks_agree(env, {"config": config.to_dict()})
-    # Training batches split evenly; an evaluation batch of any size splits as evenly as
-    # it can (BatchLoader without drop_last), as its last, partial batch always did.
-    if config.data.batch_size % env.world_size:
+    # A global batch (training or evaluation) of any size splits as evenly as it can
+    # (BatchLoader): the loss is each rank's sum over the global batch's size, so the
+    # ranks' shares add up to one process's loss whatever their sizes.
+    if config.data.batch_size < env.world_size:
         raise ValueError(
-            f"data.batch_size = {config.data.batch_size} does not split over "
-            f"{env.world_size} ranks: each rank takes an equal slice of the global batch"
+            f"data.batch_size = {config.data.batch_size} is smaller than the {env.world_size} "
+            "ranks: every rank needs at least one sample of each global batch"
         )
     return env
 
