@@ -5,6 +5,8 @@ r"""Train recipes in one process and under torchrun, and compare their metrics.
         # and mixed plans
     .venv/bin/python scripts/sharded_recipes.py --config examples/avazu_sample.toml \
         --nproc 2 --plans row_wise,mixed,planner --json out.json
+    .venv/bin/python scripts/sharded_recipes.py --set train.epochs=none \
+        --set train.steps=20             # shorter (the recipes set epochs: unset it)
 
 Every run keeps the recipe's global batch (``data.batch_size``; a batch that does not
 divide by the ranks splits as evenly as it can), is deterministic
@@ -50,11 +52,11 @@ def _recipe(config: str, overrides: tuple[str, ...] = ()) -> tuple[int, int]:
     return run.model.num_sparse, run.data.batch_size
 
 
-def _plan_overrides(plan: str, config: str) -> list[str]:
+def _plan_overrides(plan: str, config: str, extra: list[str]) -> list[str]:
     if plan == "planner":
         return []
     if plan == "mixed":
-        n, _ = _recipe(config)
+        n, _ = _recipe(config, tuple(extra))
         every = [t.value for t in ShardingType]  # the registered types, in order
         types = [every[i % len(every)] for i in range(n)]
         return [f"sharding.type={','.join(types)}"]
@@ -72,7 +74,7 @@ def _run(
         f"train.checkpoint_dir={work / name}",
         f"train.json={out}",
         *extra,
-        *(_plan_overrides(plan, config) if nproc > 1 else []),
+        *(_plan_overrides(plan, config, extra) if nproc > 1 else []),
     ]
     exe = Path(sys.executable).parent
     if nproc > 1:
@@ -88,8 +90,9 @@ def _run(
         rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=False)
     seconds = time.perf_counter() - start
     if rc.returncode != 0:
-        tail = log.read_text().splitlines()[-5:]
-        return {"name": name, "error": f"exit {rc.returncode}: " + " | ".join(tail)}
+        lines = log.read_text().splitlines()
+        said = [x for x in lines if "tetrarec train: error:" in x][:1]  # tetrarec's own line
+        return {"name": name, "error": f"exit {rc.returncode}: " + " | ".join(said or lines[-5:])}
     summary = json.loads(out.read_text())
     return {
         "name": name,

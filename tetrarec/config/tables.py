@@ -18,6 +18,7 @@ from tetrarec.config.model import ModelConfig
 from tetrarec.embedding import TableConfig
 from tetrarec.models import first_order_tables
 from tetrarec.sharding.plan import TablePlacement
+from tetrarec.sharding.strategy import STRATEGIES, Split, baseline
 from tetrarec.types import OptimizerKind, Placement, ShardingType
 
 __all__ = ["build_tables", "fixed_placements", "model_tables", "table_sharding_types"]
@@ -54,18 +55,23 @@ def model_tables(model: ModelConfig) -> tuple[TableConfig, ...]:
 
 def table_sharding_types(
     model: ModelConfig, types: ShardingType | Sequence[ShardingType]
-) -> ShardingType | tuple[ShardingType, ...]:
-    """``sharding.type`` for every table of ``model_tables``.
+) -> tuple[ShardingType, ...]:
+    """``sharding.type`` for every table of ``model_tables``, one type per table.
 
-    One type stays one type; a list (one per embedding table) gives each first-order
-    table its embedding table's type.
+    One type is every embedding table's; a list gives one per embedding table. Each
+    first-order table takes its embedding table's type, except that a type splitting
+    columns (column-wise, table-column-wise) places it whole (the registry's baseline,
+    table-wise): a dim-1 table has no columns to split, and ``sharding.column_block``
+    would not divide it.
     """
-    if isinstance(types, ShardingType):
-        return types
-    kinds = tuple(types)
+    tables = build_tables(model)
+    kinds = (types,) * len(tables) if isinstance(types, ShardingType) else tuple(types)
     if len(kinds) == 1:
-        return kinds[0]
-    return kinds + (kinds if model.dlrm.first_order else ())
+        kinds *= len(tables)
+    if not model.dlrm.first_order:
+        return kinds
+    whole = baseline().sharding_type
+    return kinds + tuple(whole if STRATEGIES[k].cost.split is Split.COLUMNS else k for k in kinds)
 
 
 def fixed_placements(model: ModelConfig, kind: OptimizerKind) -> dict[str, TablePlacement]:

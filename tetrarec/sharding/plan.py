@@ -205,7 +205,8 @@ class ShardingPlan:
             )
         names = [t.table for t in self.tables]
         if len(set(names)) != len(names):
-            raise ValueError(f"a table is planned twice: {names}")
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"the sharding plan places tables {twice} more than once")
 
     def __iter__(self) -> Iterator[TablePlan]:
         return iter(self.tables)
@@ -244,7 +245,7 @@ class ShardingPlan:
         Raises:
             ValueError: naming the table and what is wrong.
         """
-        from tetrarec.sharding.strategy import STRATEGIES  # the registry imports this module
+        from tetrarec.sharding.strategy import strategy_of  # the registry imports this module
 
         by_name = {t.name: t for t in tables}
         unknown = [t.table for t in self.tables if t.table not in by_name]
@@ -263,7 +264,7 @@ class ShardingPlan:
                     f"table {tp.table!r}: ranks {bad} are outside the plan's world size "
                     f"{self.world_size}"
                 )
-            STRATEGIES[tp.sharding].validate(by_name[tp.table], tp, self)
+            strategy_of(tp.sharding, tp.table).validate(by_name[tp.table], tp, self)
 
     def check_world(self, world_size: int, local_world_size: int) -> None:
         """Refuse to run on another world than the plan's.

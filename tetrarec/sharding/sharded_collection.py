@@ -33,7 +33,7 @@ from tetrarec.sharding.env import ShardingEnv
 from tetrarec.sharding.group import LookupOptions, ShardedGroup
 from tetrarec.sharding.plan import ShardingPlan, TablePlan
 from tetrarec.sharding.routing import BlockColumns, place_columns
-from tetrarec.sharding.strategy import GROUPS, STRATEGIES
+from tetrarec.sharding.strategy import GROUPS, strategy_of
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures, permute_keys
 from tetrarec.types import Placement
 
@@ -115,7 +115,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         by_key: dict[str, list[tuple[TableConfig, TablePlan]]] = {}
         for t in self.tables:
             tp = plan.table(t.name)
-            by_key.setdefault(STRATEGIES[tp.sharding].group, []).append((t, tp))
+            by_key.setdefault(strategy_of(tp.sharding, t.name).group, []).append((t, tp))
         self.groups = nn.ModuleList(
             GROUPS[key](env, members, options) for key, members in by_key.items()
         )

@@ -49,6 +49,7 @@ __all__ = [
     "register",
     "register_group",
     "split_evenly",
+    "strategy_of",
 ]
 
 
@@ -252,6 +253,23 @@ def register(strategy: ShardingStrategy) -> None:
     STRATEGIES[kind] = strategy
 
 
+def strategy_of(kind: ShardingType, table: str) -> ShardingStrategy:
+    """The registered strategy of ``kind``, which ``table`` is planned by.
+
+    Raises:
+        ValueError: naming the table and the type, if no strategy is registered for it
+            (a type declared by a plug-in that never registered its strategy).
+    """
+    strategy = STRATEGIES.get(kind)
+    if strategy is None:
+        known = ", ".join(k.value for k in STRATEGIES)
+        raise ValueError(
+            f"table {table!r}: no sharding strategy is registered for type {kind.value!r} "
+            f"(registered: {known})"
+        )
+    return strategy
+
+
 def baseline() -> ShardingStrategy:
     """The registered strategy whose cost terms are the planner's baseline (table-wise).
 
@@ -332,7 +350,7 @@ def plan_by_type(
     )
     for i in order:
         t, kind = tables[i], per_table[i]
-        shards = STRATEGIES[kind].place(t, ctx)
+        shards = strategy_of(kind, t.name).place(t, ctx)
         for s in shards:
             ctx.loads[s.rank] += s.num_rows * t.precision.row_bytes(s.dim)
         placed[t.name] = TablePlan(table=t.name, sharding=kind, shards=shards)

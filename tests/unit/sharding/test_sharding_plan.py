@@ -260,3 +260,25 @@ def test_the_sharded_collection_refuses_placements_it_cannot_honour():
     int8 = TablePlacement(placement=Placement.HOST, precision=Precision.INT8)
     with pytest.raises(ValueError, match=r"big \(fp32 -> int8\)"):
         build(ShardingType.TABLE_WISE, int8)
+
+
+def test_a_table_placed_twice_is_named_alone() -> None:
+    """The message listed every table of the plan, not the one placed twice."""
+    plan = plan_by_type(TABLES, ShardingType.TABLE_WISE, world_size=2)
+    with pytest.raises(ValueError, match=r"places tables \['mid'\] more than once") as e:
+        replace(plan, tables=(*plan.tables, plan.table("mid")))
+    assert "'big'" not in str(e.value)
+
+
+def test_select_gives_a_collections_part_of_the_plan() -> None:
+    """A model with two collections (its tables and a first-order term's) shards each by
+    its part of one plan. Bugs caught: a part holding another collection's tables (the
+    sharded collection would refuse it), tables out of the asked order, a missing table
+    passing silently."""
+    plan = plan_by_type(TABLES, ShardingType.ROW_WISE, world_size=2)
+    part = plan.select(["tiny", "big"])
+    assert [t.table for t in part] == ["tiny", "big"]
+    assert part.table("big") == plan.table("big")
+    assert (part.world_size, part.local_world_size) == (plan.world_size, plan.local_world_size)
+    with pytest.raises(ValueError, match=r"does not place tables \['z'\]"):
+        plan.select(["big", "z"])

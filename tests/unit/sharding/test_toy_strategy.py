@@ -182,9 +182,15 @@ def test_a_table_constrained_to_an_unregistered_type_is_refused_by_name(
 ) -> None:
     """Bug caught: a constraint naming a type without a strategy failing deep in the
     search with a bare KeyError instead of naming the table and the type."""
+    placed = plan_by_type(_tables(), TOY, world_size=2)  # while the toy is registered
     monkeypatch.delitem(STRATEGIES, TOY)
     with pytest.raises(ValueError, match=r"table 'a'.*highest_rank"):
         plan(_inputs({"a": (TOY,)}))
+    # plan_by_type and a plan's checks (loading a plan file) say the same
+    with pytest.raises(ValueError, match=r"table 'a'.*no sharding strategy.*highest_rank"):
+        plan_by_type(_tables(), TOY, world_size=2)
+    with pytest.raises(ValueError, match=r"table 'a'.*no sharding strategy.*highest_rank"):
+        placed.validate(_tables())
 
 
 ROWWISE_ADAGRAD = SparseOptimizerSpec(kind=OptimizerKind.ROWWISE_ADAGRAD, lr=0.1, weight_decay=0.01)
