@@ -37,15 +37,20 @@ BENCHES = {
 }  # fmt: skip
 
 
-def _run(tree: Path, argv: list[str], extra: list[str]) -> float:
-    """samples/s of the benchmark's tetrarec result (the sharded one at world size > 1)."""
+def _run(tree: Path, argv: list[str], extra: list[str], env_seen: dict[str, Any]) -> float:
+    """samples/s of the benchmark's tetrarec result (the sharded one at world size > 1).
+
+    ``env_seen`` gets the benchmark's environment (CPU, kernel path) of each tree.
+    """
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = Path(f.name)
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [sys.executable, *argv, *extra, "--json", str(out)]
     subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
-    results = json.loads(out.read_text())["results"]
+    written = json.loads(out.read_text())
     out.unlink()
+    env_seen.setdefault(str(tree), written.get("env", {}))
+    results = written["results"]
     ours = [r for r in results if r.get("impl", "tetrarec") == "tetrarec"]
     sharded = [r for r in ours if r.get("world_size", 1) > 1]
     return float((sharded or ours)[0]["samples_per_s"])
@@ -64,11 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     trees = {"before": Path(args.before).resolve(), "after": Path(args.after).resolve()}
     names = [args.only] if args.only else list(BENCHES)
     rounds: list[dict[str, Any]] = []
+    env_seen: dict[str, Any] = {}
     for r in range(args.rounds):
         row: dict[str, Any] = {"round": r}
         for name in names:
             for label, tree in trees.items():
-                row[f"{name}/{label}"] = _run(tree, BENCHES[name], args.extra)
+                row[f"{name}/{label}"] = _run(tree, BENCHES[name], args.extra, env_seen)
             ratio = row[f"{name}/after"] / row[f"{name}/before"]
             row[f"{name}/ratio"] = ratio
             print(
@@ -78,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         rounds.append(row)
     print()
+    for tree, env in env_seen.items():
+        print(f"{tree}: CPU {env.get('cpu')}; kernels {env.get('kernels')}")
     for name in names:
         ratios = [row[f"{name}/ratio"] for row in rounds]
         print(
@@ -85,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
             f"(rounds: {', '.join(f'{x:.3f}' for x in ratios)})"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps({"trees": {k: str(v) for k, v in trees.items()},
-                                               "rounds": rounds}, indent=1))  # fmt: skip
+        trees_json = {k: str(v) for k, v in trees.items()}
+        out = {"trees": trees_json, "env": env_seen, "rounds": rounds}
+        Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
 
