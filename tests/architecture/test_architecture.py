@@ -48,7 +48,31 @@ ALLOWED: dict[str, set[str]] = {
         "planner",
         "jsonio",
     },
-    "cli": {"types", "comm", "config", "data", "kernels", "planner", "train", "jsonio"},
+    # export reads checkpoints (train.checkpoint_tables) and the accuracy tools score with
+    # the run's metrics (train.metrics); loading a model never imports train
+    # (test_inference_loads_without_training_code)
+    "inference": {
+        "types",
+        "sparse",
+        "embedding",
+        "data",
+        "kernels",
+        "models",
+        "config",
+        "train",
+        "jsonio",
+    },
+    "cli": {
+        "types",
+        "comm",
+        "config",
+        "data",
+        "kernels",
+        "planner",
+        "train",
+        "inference",
+        "jsonio",
+    },
     "__main__": {"cli"},
     "__init__": {"types", "sparse", "embedding"},
     # importable test support: may reach everything the library has, never cli
@@ -65,6 +89,7 @@ ALLOWED: dict[str, set[str]] = {
         "config",
         "planner",
         "train",
+        "inference",
         "jsonio",
     },
 }
@@ -230,6 +255,18 @@ def test_import_is_lean() -> None:
         "import sys, torch, tetrarec, tetrarec.kernels, tetrarec.models, tetrarec.data\n"
         "assert 'triton' not in sys.modules, 'triton imported'\n"
         "assert not torch.cuda.is_initialized(), 'CUDA initialized'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_inference_loads_without_training_code() -> None:
+    """``tetrarec.inference`` (load, the model, its tables) imports nothing of ``train``,
+    ``sharding``, ``planner`` or ``comm``: a server loads a model without them."""
+    code = (
+        "import sys, tetrarec.inference, tetrarec.inference.model\n"
+        "bad = sorted({m.split('.')[1] for m in sys.modules if m.startswith('tetrarec.')}"
+        " & {'train', 'sharding', 'planner', 'comm'})\n"
+        "assert not bad, f'imported {bad}'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

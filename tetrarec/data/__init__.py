@@ -20,6 +20,7 @@ from tetrarec.data.build import (
     LOADERS,
     build_datasets,
     dense_spec,
+    evaluation_dataset,
     input_bad_lines,
     log_bad_lines,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "build_datasets",
     "dense_spec",
     "dense_transform",
+    "evaluation_dataset",
     "hash_ids",
     "hash_strings",
     "input_bad_lines",

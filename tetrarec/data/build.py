@@ -28,6 +28,7 @@ __all__ = [
     "NATURAL_DENSE",
     "build_datasets",
     "dense_spec",
+    "evaluation_dataset",
     "input_bad_lines",
     "log_bad_lines",
 ]
@@ -213,6 +214,51 @@ def build_datasets(
         TransformedDataset(train, dense, where=train_where),
         TransformedDataset(held_out, dense, where=eval_where),
     )
+
+
+def evaluation_dataset(
+    config: DataConfig,
+    tables: Sequence[TableConfig],
+    saved: DenseTransform | None,
+    files: Sequence[str] = (),
+) -> TransformedDataset:
+    """The rows a saved model is evaluated (or scores) on, through its saved transform.
+
+    ``files`` of ``config.source`` (all their rows, unless ``config.eval_rows`` is set);
+    without them the run's own evaluation split: ``config.eval_path`` alone when the
+    model saved its transform (the training files may be gone), else the split
+    ``build_datasets`` makes (rows of ``train_path``, or synthetic). The dense features
+    go through ``saved`` (fitted on the run's training rows), never a transform refitted
+    on these rows; a model too old to have saved one gets the source's default.
+
+    Raises:
+        ValueError: for ``files`` of a source that reads none (synthetic), or dense
+            columns mapped otherwise than the run's.
+        DataFileNotFoundError, DataError: as the readers raise them.
+    """
+    load = LOADERS.get(DataSource(config.source))
+    if files and load is None:
+        valid = ", ".join(s.value for s in LOADERS)
+        raise ValueError(
+            f"reading files needs a file source ({valid}); the run's data.source is "
+            f"{config.source!r}: set data.source"
+        )
+    own = config.eval_path if load is not None and saved is not None else ()
+    paths = tuple(files) or tuple(own)
+    if load is not None and paths:
+        base = load(paths, config, tables)
+        log_bad_lines(base, paths)  # data.on_bad_line = "skip" drops lines: say how many
+        rows = config.eval_rows
+        raw = base if rows is None else RowRange(base, *rows, what="data.eval_rows")
+        if saved is None:  # an older checkpoint: the source's default, no statistics
+            saved = DenseTransform.without_statistics(dense_spec(config, raw.num_dense))
+        elif saved.num_dense == raw.num_dense:  # another count: TransformedDataset says so
+            saved.check_columns(dense_spec(config, raw.num_dense).columns, ", ".join(paths))
+        return TransformedDataset(raw, saved, where=", ".join(paths))
+    _, eval_ds = build_datasets(config, tables, dense=saved)
+    if saved is not None and saved.num_dense == eval_ds.num_dense:
+        saved.check_columns(dense_spec(config, eval_ds.num_dense).columns, "the data")
+    return eval_ds
 
 
 def _raw_datasets(config: DataConfig, tables: Sequence[TableConfig]) -> tuple[Dataset, Dataset]:

@@ -149,6 +149,9 @@ class DLRM(nn.Module):
         config: the dense architecture (see ``DLRMConfig``).
         embeddings: the embedding module; every feature's dim must equal
             ``config.bottom_mlp[-1]``. It is registered as ``self.embeddings``.
+        first_order_rows: with ``config.first_order``, the module that pools the term's
+            tables (``FirstOrder``'s ``rows``); ``None`` builds the fused collection that
+            trains them. An exported model passes its inference collection.
 
     Raises:
         TypeError: if ``embeddings`` does not follow ``EmbeddingModule``, or, with
@@ -166,7 +169,13 @@ class DLRM(nn.Module):
         torch.Size([2])
     """
 
-    def __init__(self, config: DLRMConfig, embeddings: nn.Module) -> None:
+    def __init__(
+        self,
+        config: DLRMConfig,
+        embeddings: nn.Module,
+        *,
+        first_order_rows: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         if not isinstance(embeddings, EmbeddingModule):
             raise TypeError(
@@ -223,6 +232,7 @@ class DLRM(nn.Module):
                 lr=config.first_order_lr,
                 weight_decay=config.first_order_weight_decay,
                 device=device,
+                rows=first_order_rows,
             )
 
     def forward(self, dense: torch.Tensor, sparse: SparseFeatures) -> torch.Tensor:
@@ -307,18 +317,21 @@ def _first_order_tables(embeddings: nn.Module) -> tuple[tuple[TableConfig, ...],
     return tables, "meta" if on_meta else None
 
 
-def build_model(config: DLRMConfig, embeddings: nn.Module) -> DLRM:
+def build_model(
+    config: DLRMConfig, embeddings: nn.Module, *, first_order_rows: nn.Module | None = None
+) -> DLRM:
     """Build the model ``config`` describes around ``embeddings``.
 
     Args:
         config: the dense architecture.
         embeddings: any module following the embedding protocol (reference, fused,
-            sharded).
+            sharded, an exported model's inference collection).
+        first_order_rows: the first-order term's rows module (``DLRM``).
 
     Returns:
         The ``DLRM``.
     """
-    model = DLRM(config, embeddings)
+    model = DLRM(config, embeddings, first_order_rows=first_order_rows)
     n_dense = sum(p.numel() for p in model.dense_parameters())
     logger.info(
         "built %s model: %d features, %d dense parameters, dense precision %s",

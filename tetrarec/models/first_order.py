@@ -109,6 +109,10 @@ class FirstOrder(nn.Module):
         lr: the rows' Adagrad learning rate.
         weight_decay: L2 on the rows a step touches (``SparseOptimizerSpec``).
         device: where the rows live (``"meta"``: described only, for ``shard_model``).
+        rows: a module that pools the term's tables (``first_order_tables(tables)``)
+            instead of the fused collection that trains them: an exported model's
+            inference collection (``tetrarec.inference``). Its state dict is its own;
+            the term saves and loads optimizer state only for rows that have one.
 
     Raises:
         ValueError: for no tables, a negative ``num_dense`` or bad optimizer settings.
@@ -128,6 +132,7 @@ class FirstOrder(nn.Module):
         lr: float,
         weight_decay: float,
         device: torch.device | str | None = None,
+        rows: nn.Module | None = None,
     ) -> None:
         super().__init__()
         if not tables:
@@ -140,8 +145,10 @@ class FirstOrder(nn.Module):
         spec = first_order_optimizer(lr=lr, weight_decay=weight_decay)
         # seed=0: the rows start at 0 (init_bound), and a fixed seed draws nothing from
         # the global RNG (the rest of the model's initialization stays as it is).
-        self.rows: nn.Module = FusedEmbeddingBagCollection(
-            first_order_tables(tables), spec, seed=0, device=device
+        self.rows: nn.Module = (
+            FusedEmbeddingBagCollection(first_order_tables(tables), spec, seed=0, device=device)
+            if rows is None
+            else rows
         )
         self.num_dense = num_dense
         self.dense: nn.Linear | None = None
@@ -187,6 +194,8 @@ class FirstOrder(nn.Module):
         self, destination: dict[str, Any], prefix: str, keep_vars: bool
     ) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not isinstance(self.rows, _FusedTables):
+            return  # rows that do not train (an inference collection) have no state
         for table, names in self._tables().optimizer_state().items():
             for name, value in names.items():
                 destination[f"{prefix}{_OPTIM}{table}.{name}"] = (
@@ -206,6 +215,8 @@ class FirstOrder(nn.Module):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+        if not isinstance(self.rows, _FusedTables):
+            return
         mine = {
             f"{prefix}{_OPTIM}{table}.{name}": (table, name)
             for table, names in self._tables().optimizer_state().items()

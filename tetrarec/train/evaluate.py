@@ -13,18 +13,7 @@ from tqdm import tqdm
 from tetrarec.comm import Communicator
 from tetrarec.config import RunConfig
 from tetrarec.config.tables import build_tables
-from tetrarec.data import (
-    LOADERS,
-    BatchLoader,
-    Dataset,
-    DataSource,
-    DenseTransform,
-    RowRange,
-    TransformedDataset,
-    build_datasets,
-    dense_spec,
-    log_bad_lines,
-)
+from tetrarec.data import BatchLoader, Dataset, evaluation_dataset
 from tetrarec.train.build import build_parts, check_cache_dir
 from tetrarec.train.checkpoint import read_meta
 from tetrarec.train.metrics import MetricAccumulator, Metrics, compute_metrics
@@ -164,34 +153,7 @@ def evaluate_checkpoint(
         config = config.with_overrides(["optim.sparse.kind=sgd"])
     check_cache_dir(config.model)  # as training does: by its key, before any file is read
     tables = build_tables(config.model)
-    saved = load_dense_transform(path)
-    load = LOADERS.get(DataSource(config.data.source))
-    if data and load is None:
-        valid = ", ".join(s.value for s in LOADERS)
-        raise ValueError(
-            f"evaluating on files needs a file source ({valid}); the run's data.source "
-            f"is {config.data.source!r}: set data.source"
-        )
-    # The files to evaluate: the given ones, else the run's data.eval_path. Only they are
-    # read: build_datasets would also parse every training file, which the dense
-    # transform saved in the checkpoint makes needless (a checkpoint too old to hold it
-    # has its transform fitted on the training rows again, as before).
-    own = config.data.eval_path if load is not None and saved is not None else ()
-    files = tuple(data) or own
-    if load is not None and files:
-        base = load(files, config.data, tables)
-        log_bad_lines(base, files)  # data.on_bad_line = "skip" drops lines: say how many
-        rows = config.data.eval_rows
-        raw = base if rows is None else RowRange(base, *rows, what="data.eval_rows")
-        if saved is None:  # an older checkpoint: the source's default, no statistics
-            saved = DenseTransform.without_statistics(dense_spec(config.data, raw.num_dense))
-        elif saved.num_dense == raw.num_dense:  # another count: TransformedDataset says so
-            saved.check_columns(dense_spec(config.data, raw.num_dense).columns, ", ".join(files))
-        eval_ds: Dataset = TransformedDataset(raw, saved, where=", ".join(files))
-    else:  # rows of train_path (data.eval_rows or the held-out tail), or synthetic
-        _, eval_ds = build_datasets(config.data, tables, dense=saved)
-        if saved is not None and saved.num_dense == eval_ds.num_dense:
-            saved.check_columns(dense_spec(config.data, eval_ds.num_dense).columns, "the data")
+    eval_ds = evaluation_dataset(config.data, tables, load_dense_transform(path), data)
     device = config.train.resolve_device()
     parts = build_parts(config, num_dense=eval_ds.num_dense, device=device)
     load_model_state(path, parts.model)
