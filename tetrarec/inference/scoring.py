@@ -42,9 +42,7 @@ def batches(
     dataset: Dataset, *, batch_size: int, progress: bool = False, desc: str = "score"
 ) -> Iterator[Batch]:
     """Every row of ``dataset`` in order, ``batch_size`` at a time (a bar on stderr)."""
-    loader = BatchLoader(
-        dataset, batch_size=batch_size, shuffle=False, drop_last=False, epochs=1
-    )
+    loader = BatchLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=False, epochs=1)
     bar = tqdm(
         total=dataset.num_samples, desc=desc, unit="sample", unit_scale=True,
         file=sys.stderr, disable=not progress, dynamic_ncols=True, leave=False,

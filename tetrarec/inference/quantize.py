@@ -1,0 +1,79 @@
+"""Post-training quantization of an exported model: tables per precision, then the MLPs.
+
+``quantize_tables`` stores each named table in a lower precision (FP16, BF16, INT8 or
+INT4; round to nearest, row-wise scale and bias for the integer formats: no stochastic
+rounding at inference). Tables are converted from the rows the model holds, decoded to
+FP32 first, ``CHUNK_ROWS`` rows at a time, so a large table never needs a second FP32
+copy of itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+from tetrarec.inference.model import InferenceModel
+from tetrarec.kernels import decode_rows, encode_rows, row_width
+from tetrarec.types import Precision
+
+__all__ = ["CHUNK_ROWS", "TABLE_PRECISIONS", "convert_rows", "quantize_tables"]
+
+CHUNK_ROWS = 1 << 18
+#: The precisions a table of an exported model may be stored in, widest first.
+TABLE_PRECISIONS = (Precision.FP32, Precision.FP16, Precision.BF16, Precision.INT8, Precision.INT4)
+
+
+def convert_rows(
+    rows: torch.Tensor, source: Precision, target: Precision, dim: int
+) -> torch.Tensor:
+    """Stored rows of ``source`` precision as stored rows of ``target`` (round to nearest)."""
+    if source is target:
+        return rows.clone()
+    out = torch.empty(rows.shape[0], row_width(target, dim), dtype=_stored_dtype(target))
+    for start in range(0, rows.shape[0], CHUNK_ROWS):
+        stop = min(start + CHUNK_ROWS, rows.shape[0])
+        fp32 = decode_rows(rows[start:stop], source, dim)
+        out[start:stop] = encode_rows(fp32, target, stochastic=False)
+    return out
+
+
+def _stored_dtype(precision: Precision) -> torch.dtype:
+    return torch.uint8 if precision.is_integer else precision.torch_dtype
+
+
+def quantize_tables(model: InferenceModel, precisions: Mapping[str, Precision]) -> InferenceModel:
+    """``model`` with each table named in ``precisions`` stored in that precision.
+
+    A first-order table may be named too (``C1_first_order``); tables not named keep
+    their precision. The result is a new model built from the converted tensors (the
+    unchanged ones shared with ``model``).
+
+    Raises:
+        ValueError: for a table the model does not have, or a precision a table cannot
+            be stored in (FP8).
+    """
+    now = model.table_precisions()
+    unknown = sorted(set(precisions) - set(now))
+    if unknown:
+        raise ValueError(f"no such table(s) in the model: {unknown}; it has {sorted(now)}")
+    bad = sorted(p.value for p in precisions.values() if p not in TABLE_PRECISIONS)
+    if bad:
+        valid = ", ".join(p.value for p in TABLE_PRECISIONS)
+        raise ValueError(f"{bad[0]} is not a table precision; valid: {valid}")
+    tensors = model.tensors()
+    entries = []
+    for entry in model.manifest.tables:
+        name = str(entry["name"])
+        target = precisions.get(name, now[name])
+        if target is not now[name]:
+            key = f"tables.{name}.rows"
+            tensors[key] = convert_rows(tensors[key], now[name], target, int(entry["dim"]))
+        entries.append({**entry, "precision": target.value})
+    quantization = {
+        **model.manifest.quantization,
+        "tables": {str(e["name"]): e["precision"] for e in entries},
+    }
+    manifest = dataclasses.replace(model.manifest, tables=entries, quantization=quantization)
+    return InferenceModel.from_parts(manifest, tensors, backend=model.embeddings.backend, path=None)
