@@ -11,18 +11,71 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from tetrarec.inference.dense import DENSE_FORMATS, DENSE_PREFIX
 from tetrarec.inference.model import InferenceModel
 from tetrarec.kernels import decode_rows, encode_rows, row_width
 from tetrarec.types import Precision
 
-__all__ = ["CHUNK_ROWS", "TABLE_PRECISIONS", "convert_rows", "quantize_tables"]
+__all__ = [
+    "CHUNK_ROWS",
+    "TABLE_PRECISIONS",
+    "QuantSpec",
+    "convert_rows",
+    "quantize_model",
+    "quantize_tables",
+]
 
 CHUNK_ROWS = 1 << 18
 #: The precisions a table of an exported model may be stored in, widest first.
 TABLE_PRECISIONS = (Precision.FP32, Precision.FP16, Precision.BF16, Precision.INT8, Precision.INT4)
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantSpec:
+    """What ``quantize_model`` does to a model.
+
+    Args:
+        tables: ``{table: precision}``; tables not named keep theirs.
+        mlp: the dense layers' format, a key of ``tetrarec.inference.dense.DENSE_FORMATS``
+            (``fp32``, and the lower ones registered there).
+        mlp_settings: the format's settings (for INT8: ``{"activations": "dynamic"}``
+            or ``"static"``), stored in the manifest's ``dense`` section.
+    """
+
+    tables: Mapping[str, Precision] = field(default_factory=dict)
+    mlp: str = "fp32"
+    mlp_settings: Mapping[str, Any] = field(default_factory=dict)
+
+
+def quantize_model(model: InferenceModel, spec: QuantSpec) -> InferenceModel:
+    """``model`` with its tables and dense layers stored as ``spec`` says.
+
+    Raises:
+        ValueError: for an unknown table, table precision or dense format.
+    """
+    if spec.mlp not in DENSE_FORMATS:
+        raise ValueError(
+            f"dense format {spec.mlp!r} is not one this tetrarec has; valid: "
+            f"{sorted(DENSE_FORMATS)}"
+        )
+    out = quantize_tables(model, spec.tables) if spec.tables else model
+    dense = {"precision": spec.mlp, **spec.mlp_settings}
+    if dense == dict(out.manifest.dense):
+        return out
+    tensors = out.tensors()
+    tensors = {k: v for k, v in tensors.items() if not k.startswith(DENSE_PREFIX)}
+    tensors.update(DENSE_FORMATS[spec.mlp].save(out.module, dense))
+    manifest = dataclasses.replace(
+        out.manifest,
+        dense=dense,
+        quantization={**out.manifest.quantization, "dense": dense},
+    )
+    return InferenceModel.from_parts(manifest, tensors, backend=out.embeddings.backend)
 
 
 def convert_rows(
