@@ -16,6 +16,11 @@
                                                     per-feature pooling and access skew
     tetrarec plan --config run.toml --world-size N [--topology FILE|PRESET]
                   [--stats stats.json] [--json plan.json] [--plot PATH]
+    tetrarec export --checkpoint DIR --output MODEL_DIR [--json PATH]
+                                                    a checkpoint as a model directory
+    tetrarec predict --model MODEL_DIR --input FILE ... --output FILE
+                     [--format parquet|csv] [--batch-size N] [--source SOURCE]
+                     [--on-bad-line error|skip] [--id-column NAME] [--json PATH]
     tetrarec bench NAME [args ...]                  runs benchmarks/bench_NAME.py
 
 tetrarec's own errors print one line on stderr (``tetrarec COMMAND: error: ...``), never
@@ -159,6 +164,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_set(stats)
 
     _add_plan(sub)
+    _add_export(sub)
+    _add_predict(sub)
     bench = sub.add_parser("bench", help="run benchmarks/bench_NAME.py from the source tree")
     bench.add_argument("name", nargs="?", help="the benchmark (none: list them)")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script")
@@ -359,6 +366,99 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- tetrarec export and predict (inference) ------------------------------------------------
+
+
+def _add_export(sub: Any) -> None:
+    export = sub.add_parser(
+        "export",
+        help="export a checkpoint (one-process or sharded) as a model directory",
+        description="Write the model of a training checkpoint (any world size and plan; "
+        "cached and SSD tables included) as a self-contained model directory: safetensors "
+        "tensors (every table whole, FP32) and a checked JSON manifest. Load it with "
+        "tetrarec.inference.load, score with tetrarec predict.",
+    )
+    export.add_argument("--checkpoint", required=True, type=Path, help="a checkpoint directory")
+    export.add_argument("--output", required=True, type=Path, metavar="MODEL_DIR")
+    export.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    export.add_argument("--json", metavar="PATH", help="write the summary as JSON")
+
+
+def _export(args: argparse.Namespace) -> int:
+    from tetrarec.inference.export import export_checkpoint
+
+    model = export_checkpoint(args.checkpoint, args.output, progress=not args.no_progress)
+    source, manifest = model.manifest.source, model.manifest
+    size = sum(int(f["bytes"]) for f in manifest.files.values())
+    print(
+        f"exported {len(manifest.tables)} tables, {size:,} bytes -> {args.output} "
+        f"(step {source['step']}, world size {source['world_size']})"
+    )
+    _write_json(
+        args.json,
+        {
+            "output": str(args.output),
+            "tables": len(manifest.tables),
+            "bytes": size,
+            "step": source["step"],
+            "world_size": source["world_size"],
+            "content_hash": manifest.content_hash,
+        },
+    )
+    return 0
+
+
+def _add_predict(sub: Any) -> None:
+    predict = sub.add_parser(
+        "predict",
+        help="score files with an exported model",
+        description="Score every row of the input files with an exported model and write "
+        "the row's index (or --id-column), its score (click probability) and its label, "
+        "as parquet or csv. The files are read as the model's training run read its data "
+        "(data.source, the column mapping, data.on_bad_line).",
+    )
+    predict.add_argument("--model", required=True, type=Path, metavar="MODEL_DIR")
+    predict.add_argument("--input", nargs="+", required=True, metavar="FILE")
+    predict.add_argument("--output", required=True, type=Path, metavar="FILE")
+    predict.add_argument(
+        "--format", choices=("parquet", "csv"), help="default: from the output's extension"
+    )
+    predict.add_argument("--batch-size", type=_at_least_one, default=8192)
+    predict.add_argument(
+        "--source",
+        choices=("criteo", "csv", "parquet"),
+        help="read the input as this source (default: the model's data.source)",
+    )
+    predict.add_argument(
+        "--on-bad-line", choices=("error", "skip"), help="default: the model's data.on_bad_line"
+    )
+    predict.add_argument("--id-column", metavar="NAME", help="write this input column as id")
+    predict.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    predict.add_argument("--json", metavar="PATH", help="write the summary as JSON")
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from tetrarec.inference import load
+    from tetrarec.inference.predict import PredictSettings, predict_files
+
+    summary = predict_files(
+        load(args.model),
+        PredictSettings(
+            files=tuple(args.input),
+            output=args.output,
+            output_format=args.format,
+            batch_size=args.batch_size,
+            source=args.source,
+            on_bad_line=args.on_bad_line,
+            id_column=args.id_column,
+            progress=not args.no_progress,
+        ),
+    )
+    print(summary.summary())
+    _write_json(args.json, {"model": str(args.model), **summary.to_dict()})
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     folder = _REPO_ROOT / "benchmarks"
     found = ", ".join(sorted(p.stem.removeprefix("bench_") for p in folder.glob("bench_*.py")))
@@ -427,11 +527,13 @@ _COMMANDS = {
     "preprocess": _preprocess,
     "stats": _stats,
     "plan": _plan,
+    "export": _export,
+    "predict": _predict,
     "bench": _bench,
 }
 
 
-_NEEDS_KERNELS = frozenset({"demo", "train", "eval"})
+_NEEDS_KERNELS = frozenset({"demo", "train", "eval", "predict"})
 _MAX_LINE = 1000  # longer messages are cut: one line must stay readable
 
 

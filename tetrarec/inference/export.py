@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from tetrarec.inference.dense import DENSE_PREFIX
-from tetrarec.inference.format import Manifest
+from tetrarec.inference.format import Manifest, ModelFileError
 from tetrarec.inference.model import InferenceModel, save
 from tetrarec.train.checkpoint_tables import CheckpointTables
 
@@ -41,8 +41,11 @@ def export_checkpoint(
 
     Raises:
         FileNotFoundError: if ``checkpoint`` is not a checkpoint or misses a file.
+        ModelFileError: if ``output``'s parent directory does not exist.
         ValueError: for a damaged checkpoint (naming the file).
     """
+    if not Path(output).parent.is_dir():  # before reading every table, not after
+        raise ModelFileError(f"{output}: its parent directory {Path(output).parent} does not exist")
     source = CheckpointTables(checkpoint)
     tensors: dict[str, torch.Tensor] = {}
     entries = []
