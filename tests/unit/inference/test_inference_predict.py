@@ -2,10 +2,13 @@
 row's index or id and label beside them, and bad input is one line naming it."""
 
 import csv
+import gzip
+import io
 import json
 import random
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -52,10 +55,12 @@ def _csv_rows(n: int, seed: int) -> list[list[str]]:
 
 
 def _write_csv(path, rows, header=("id", "click", "price", "site", "device")) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(header)
-        writer.writerows(rows)
+    text = io.StringIO()
+    writer = csv.writer(text)
+    writer.writerow(header)
+    writer.writerows(rows)
+    data = text.getvalue().encode()
+    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
 
 
 def _export(tmp_path, overrides):
@@ -152,10 +157,11 @@ def _columns(reader):
 
 def test_predict_on_csv_with_string_ids_writes_the_id_column(csv_model, tmp_path):
     """A CSV whose sparse values are strings, scored with ``--id-column id`` over two
-    files: the ids are the input's, in order, beside ``InferenceModel.predict``'s
-    scores. Catches ids not aligned with the rows, the second file's rows lost, string
-    ids hashed otherwise than in training."""
-    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    files (the second gzipped): the ids are the input's, in order, beside
+    ``InferenceModel.predict``'s scores. Catches ids not aligned with the rows, the
+    second file's rows lost, a gzipped file's ids unread, string ids hashed otherwise
+    than in training."""
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv.gz"
     rows_a, rows_b = _csv_rows(20, 1), _csv_rows(13, 2)
     _write_csv(a, rows_a)
     _write_csv(b, rows_b)
@@ -260,3 +266,34 @@ def test_scores_do_not_depend_on_the_batch_size(criteo_model, tmp_path):
         predict_files(model, PredictSettings(files=(str(data),), output=out, batch_size=size))
         got.append(torch.tensor(pq.read_table(out).column("score").to_pylist()))
     torch.testing.assert_close(got[0], got[1], rtol=1e-6, atol=1e-7)
+
+
+def test_parquet_input_with_source_override_scores_as_the_same_csv_rows(csv_model, tmp_path):
+    """The csv model scores a parquet file of the same rows (``--source parquet``, string
+    ids, an id column) exactly as it scores the csv. Catches ``--source`` ignored (the
+    parquet file read as csv fails) and parquet ids not written."""
+    rows = _csv_rows(17, 4)
+    _write_csv(tmp_path / "a.csv", rows)
+    pq.write_table(
+        pa.table(
+            {
+                "id": [r[0] for r in rows],
+                "click": [int(r[1]) for r in rows],
+                "price": [float(r[2]) for r in rows],
+                "site": [r[3] for r in rows],
+                "device": [r[4] for r in rows],
+            }
+        ),
+        tmp_path / "a.parquet",
+    )
+    model = load(csv_model)
+    for name, source in (("a.csv", None), ("a.parquet", "parquet")):
+        settings = PredictSettings(
+            files=(str(tmp_path / name),), output=tmp_path / f"{name}.out.parquet",
+            source=source, id_column="id",
+        )  # fmt: skip
+        predict_files(model, settings)
+    via_csv = pq.read_table(tmp_path / "a.csv.out.parquet").to_pydict()
+    via_parquet = pq.read_table(tmp_path / "a.parquet.out.parquet").to_pydict()
+    assert via_parquet["id"] == [r[0] for r in rows]
+    assert via_parquet == via_csv
