@@ -44,7 +44,7 @@ from tetrarec.data.criteo import open_input
 from tetrarec.inference.model import InferenceModel
 from tetrarec.inference.scoring import batches, model_dataset
 
-__all__ = ["OUTPUT_FORMATS", "PredictSettings", "PredictSummary", "predict_files"]
+__all__ = ["OUTPUT_FORMATS", "PredictSettings", "PredictSummary", "ScoreWriter", "predict_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +202,9 @@ def _check_paths(settings: PredictSettings) -> None:
         )
 
 
+_FILE_SOURCES = (DataSource.CRITEO, DataSource.CSV, DataSource.PARQUET, DataSource.BINARY)
+
+
 def _scoring_config(model: InferenceModel, settings: PredictSettings) -> InferenceModel:
     """``model`` with the data settings overridden (source, bad-line rule)."""
     overrides = []
@@ -210,9 +213,14 @@ def _scoring_config(model: InferenceModel, settings: PredictSettings) -> Inferen
     if settings.on_bad_line is not None:
         policy = BadLinePolicy.parse(settings.on_bad_line)
         overrides.append(f"data.on_bad_line={json.dumps(str(policy))}")
-    if not overrides:
-        return model
-    return dataclasses.replace(model, config=model.config.with_overrides(overrides))
+    config = model.config.with_overrides(overrides) if overrides else model.config
+    if DataSource(config.data.source) not in _FILE_SOURCES:
+        raise ValueError(
+            f"the model's data.source is {str(config.data.source)!r}, which reads no files: "
+            f"give --source ({', '.join(s.value for s in _FILE_SOURCES)}) and the column "
+            "settings its training data had"
+        )
+    return dataclasses.replace(model, config=config)
 
 
 def _csv_ids(path: str, column: str, data: DataConfig) -> pa.Array:

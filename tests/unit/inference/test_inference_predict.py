@@ -2,6 +2,7 @@
 row's index or id and label beside them, and bad input is one line naming it."""
 
 import csv
+import dataclasses
 import gzip
 import io
 import json
@@ -297,3 +298,21 @@ def test_parquet_input_with_source_override_scores_as_the_same_csv_rows(csv_mode
     via_parquet = pq.read_table(tmp_path / "a.parquet.out.parquet").to_pydict()
     assert via_parquet["id"] == [r[0] for r in rows]
     assert via_parquet == via_csv
+
+
+def test_a_model_of_synthetic_data_asks_for_a_source(criteo_model, tmp_path):
+    """A model trained on synthetic data has no file source: the error says to give
+    ``--source`` (not ``data.source``, a key the predict user cannot set)."""
+    model = load(criteo_model)
+    model = dataclasses.replace(
+        model, config=model.config.with_overrides(["data.source=synthetic"])
+    )
+    data = tmp_path / "a.tsv"
+    data.write_text("\n".join(_criteo_lines(3, 1)) + "\n")
+    settings = PredictSettings(files=(str(data),), output=tmp_path / "s.csv")
+    with pytest.raises(
+        ValueError, match=r"data.source is 'synthetic', which reads no files: give --source"
+    ):
+        predict_files(model, settings)
+    scored = predict_files(model, dataclasses.replace(settings, source="criteo"))
+    assert scored.rows == 3
