@@ -21,6 +21,11 @@
     tetrarec predict --model MODEL_DIR --input FILE ... --output FILE
                      [--format parquet|csv] [--batch-size N] [--source SOURCE]
                      [--on-bad-line error|skip] [--id-column NAME] [--json PATH]
+    tetrarec quantize --model DIR --output DIR2 [--tables P] [--table NAME=P ...]
+                      [--mlp fp32|bf16|int8] [--activations dynamic|static]
+                      [--eval FILE ... | --eval-split] [--budget-ne PCT] [--eval-rows N]
+                      [--json PATH] [--plot PNG]
+    tetrarec quantize --check --model DIR2 --reference DIR --eval FILE ... [--budget-ne PCT]
     tetrarec bench NAME [args ...]                  runs benchmarks/bench_NAME.py
 
 tetrarec's own errors print one line on stderr (``tetrarec COMMAND: error: ...``), never
@@ -166,6 +171,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_export(sub)
     _add_predict(sub)
+    _add_quantize(sub)
     bench = sub.add_parser("bench", help="run benchmarks/bench_NAME.py from the source tree")
     bench.add_argument("name", nargs="?", help="the benchmark (none: list them)")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script")
@@ -456,6 +462,115 @@ def _predict(args: argparse.Namespace) -> int:
     )
     print(summary.summary())
     _write_json(args.json, {"model": str(args.model), **summary.to_dict()})
+
+
+# --- tetrarec quantize (per-table precisions, the accuracy tool chain) ---------------------
+
+
+def _table_precision(text: str) -> tuple[str, str]:
+    """An argparse type: ``NAME=PRECISION``."""
+    name, sep, precision = text.partition("=")
+    if not sep or not name or not precision:
+        raise argparse.ArgumentTypeError(f"expected NAME=PRECISION, got {text!r}")
+    return name, precision
+
+
+def _add_quantize(sub: Any) -> None:
+    q = sub.add_parser(
+        "quantize",
+        help="quantize an exported model per table, measured against FP32 (or re-check one)",
+        description="Store an exported model's tables in lower precisions and its dense "
+        "layers in another format. With --eval/--eval-split the result is measured "
+        "against the FP32 model (NE, AUC and calibration changes; each changed table "
+        "alone); with --budget-ne it searches the lowest precision per table (FP32, "
+        "FP16, INT8, INT4) that keeps the NE change within PCT percent. The report goes "
+        "into the model's manifest, --json and --plot. --check re-measures a quantized "
+        "model against its FP32 model on new rows.",
+    )
+    q.add_argument("--model", required=True, type=Path, help="the model directory to read")
+    q.add_argument("--output", type=Path, help="the quantized model directory to write")
+    q.add_argument("--tables", metavar="PRECISION", help="every table's precision (fp16|int8|int4)")
+    q.add_argument(
+        "--table", dest="table", action="append", default=[], type=_table_precision,
+        metavar="NAME=PRECISION", help="one table's precision (repeatable; not searched)",
+    )  # fmt: skip
+    q.add_argument("--mlp", default="fp32", help="the dense layers' format (fp32, bf16, int8)")
+    q.add_argument("--activations", choices=("dynamic", "static"), help="of --mlp int8")
+    ev = q.add_mutually_exclusive_group()
+    ev.add_argument("--eval", nargs="+", metavar="FILE", help="evaluation data files")
+    ev.add_argument("--eval-split", action="store_true", help="the run's evaluation split")
+    q.add_argument("--budget-ne", type=float, metavar="PCT", help="NE change budget, percent")
+    q.add_argument("--eval-rows", type=_at_least_one, metavar="N", help="evaluate N rows at most")
+    q.add_argument("--batch-size", type=_at_least_one, default=8192, help="rows per scoring call")
+    q.add_argument("--json", metavar="PATH", help="write the report (or the check) as JSON")
+    q.add_argument("--plot", metavar="PNG", help="write the per-table NE against bytes plot")
+    q.add_argument("--check", action="store_true", help="re-check --model against --reference")
+    q.add_argument("--reference", type=Path, help="with --check: the FP32 model")
+    q.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+
+
+def _quantize_settings(args: argparse.Namespace) -> Any:
+    from tetrarec.inference.accuracy_report import EvalSettings
+
+    if not (args.eval or args.eval_split):
+        return None
+    return EvalSettings(
+        files=tuple(args.eval or ()), eval_rows=args.eval_rows,
+        batch_size=args.batch_size, progress=not args.no_progress,
+    )  # fmt: skip
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from tetrarec.inference import load, save
+    from tetrarec.inference.accuracy_report import (
+        check_deployed,
+        format_check,
+        format_report,
+        plot_report,
+        quantize_to_report,
+    )
+    from tetrarec.types import Precision
+
+    evaluation = _quantize_settings(args)
+    if args.check:
+        if args.reference is None or evaluation is None:
+            raise ValueError("--check needs --reference MODEL and --eval FILES (or --eval-split)")
+        check = check_deployed(
+            args.model, args.reference, budget_ne_pct=args.budget_ne, evaluation=evaluation
+        )
+        print(format_check(check))
+        _write_json(args.json, check.to_dict())
+        return 0 if check.holds else 1
+    if args.output is None:
+        raise ValueError("give --output DIR (the quantized model to write), or --check")
+    if args.budget_ne is not None and args.tables:
+        raise ValueError("--tables and --budget-ne both choose every table: give one")
+    if (args.budget_ne is not None or args.plot) and evaluation is None:
+        raise ValueError(
+            "--budget-ne and --plot need evaluation rows: --eval FILES or --eval-split"
+        )
+    if args.activations and args.mlp != "int8":
+        raise ValueError(f"--activations applies to --mlp int8, not --mlp {args.mlp}")
+    settings = {"activations": args.activations or "dynamic"} if args.mlp == "int8" else {}
+    model = load(args.model)
+    tables = (
+        dict.fromkeys(model.table_precisions(), Precision.parse(args.tables)) if args.tables else {}
+    )
+    tables.update({name: Precision.parse(p) for name, p in args.table})
+    out, report = quantize_to_report(
+        model, tables=tables, mlp=args.mlp, mlp_settings=settings,
+        budget_ne_pct=args.budget_ne, evaluation=evaluation,
+    )  # fmt: skip
+    save(out, args.output)
+    if report is None:
+        print(f"model size {out.nbytes():,} bytes ({out.nbytes() / model.nbytes():.3f}x FP32)")
+    else:
+        print(format_report(report))
+        _write_json(args.json, report)
+        if args.plot:
+            plot_report(report, args.plot)
+            print(f"wrote {args.plot}")
+    print(f"wrote {args.output}")
     return 0
 
 
@@ -529,11 +644,12 @@ _COMMANDS = {
     "plan": _plan,
     "export": _export,
     "predict": _predict,
+    "quantize": _quantize,
     "bench": _bench,
 }
 
 
-_NEEDS_KERNELS = frozenset({"demo", "train", "eval", "predict"})
+_NEEDS_KERNELS = frozenset({"demo", "train", "eval", "predict", "quantize"})
 _MAX_LINE = 1000  # longer messages are cut: one line must stay readable
 
 
