@@ -462,6 +462,7 @@ def _predict(args: argparse.Namespace) -> int:
     )
     print(summary.summary())
     _write_json(args.json, {"model": str(args.model), **summary.to_dict()})
+    return 0
 
 
 # --- tetrarec quantize (per-table precisions, the accuracy tool chain) ---------------------
