@@ -53,6 +53,7 @@ __all__ = [
     "SearchResult",
     "Sensitivity",
     "evaluate_spec",
+    "precision_ladders",
     "recheck",
     "reference",
     "search",
@@ -238,14 +239,16 @@ def table_sensitivity(
 
     Args:
         ref: the reference (its model's tables are the starting point).
-        precisions: the precisions to try (those a table already has are skipped).
+        precisions: the precisions to try (those a table already has, and those that
+            would not store it smaller, ``precision_ladders``, are skipped).
         tables: the tables to try (default: every table of the model).
         progress: a progress bar on stderr (one step per model scored).
     """
     now = ref.model.table_precisions()
     names = list(tables) if tables is not None else list(now)
     base_bytes = ref.model.nbytes()
-    todo = [(t, p) for t in names for p in precisions if p is not now[t]]
+    ladders = precision_ladders(ref.model)
+    todo = [(t, p) for t in names for p in precisions if p is not now[t] and p in ladders[t]]
     out = []
     with _bar(len(todo), "sensitivity", progress) as bar:
         for name, precision in todo:
@@ -272,7 +275,7 @@ class Choice:
         table: the table.
         precision: the chosen precision.
         why: a short reason (its next lower precision's NE change alone, ``budget``,
-            ``given``, ``lowest``).
+            ``given``, ``smallest searched``).
     """
 
     table: str
@@ -326,8 +329,33 @@ def _saved(index: Mapping[tuple[str, str], Sensitivity], table: str, p: Precisio
     return 0 if p is Precision.FP32 else index[(table, p.value)].bytes_saved
 
 
+def precision_ladders(model: InferenceModel) -> dict[str, tuple[Precision, ...]]:
+    """``{table: precisions to search, widest first}``: each one stores the table smaller.
+
+    ``SEARCH_PRECISIONS`` in order, keeping only a precision whose rows take fewer bytes
+    than the last one kept: a packed INT8/INT4 row carries 4 bytes of scale and bias
+    (aligned to 4), so on a narrow table it is no smaller than FP16 (a first-order
+    term's dim-1 table: FP32 4 bytes, FP16 2, INT8 and INT4 8) and is never chosen.
+    """
+    out = {}
+    for entry in model.manifest.tables:
+        dim = int(entry["dim"])
+        ladder = [Precision.FP32]
+        for p in SEARCH_PRECISIONS[1:]:
+            if _row_bytes(p, dim) < _row_bytes(ladder[-1], dim):
+                ladder.append(p)
+        out[str(entry["name"])] = tuple(ladder)
+    return out
+
+
+def _row_bytes(precision: Precision, dim: int) -> int:
+    return precision.row_bytes(dim) if precision.is_integer else dim * precision.bits // 8
+
+
 def _raise_one(
-    index: Mapping[tuple[str, str], Sensitivity], current: Mapping[str, Precision]
+    index: Mapping[tuple[str, str], Sensitivity],
+    current: Mapping[str, Precision],
+    ladders: Mapping[str, tuple[Precision, ...]],
 ) -> str | None:
     """The table to raise one precision (``None`` when every table is at FP32).
 
@@ -337,7 +365,7 @@ def _raise_one(
     for table, p in current.items():
         if p is Precision.FP32:
             continue
-        up = SEARCH_PRECISIONS[SEARCH_PRECISIONS.index(p) - 1]
+        up = ladders[table][ladders[table].index(p) - 1]
         cost = _cost(index, table, p) - _cost(index, table, up)
         saved = max(_saved(index, table, p) - _saved(index, table, up), 1)
         rate = max(cost, 0.0) / saved
@@ -347,20 +375,25 @@ def _raise_one(
 
 
 def _first_choice(
-    index: Mapping[tuple[str, str], Sensitivity], table: str, budget: float
+    index: Mapping[tuple[str, str], Sensitivity],
+    table: str,
+    budget: float,
+    ladder: tuple[Precision, ...],
 ) -> tuple[Precision, str]:
-    """The lowest precision whose own NE change is within ``budget``, and why."""
-    for i in range(len(SEARCH_PRECISIONS) - 1, 0, -1):
-        p = SEARCH_PRECISIONS[i]
+    """The smallest precision of ``ladder`` whose own NE change is within ``budget``, and why."""
+    if len(ladder) == 1:
+        return Precision.FP32, "no smaller precision for its dim"
+    for i in range(len(ladder) - 1, 0, -1):
+        p = ladder[i]
         if index[(table, p.value)].deltas.ne_pct <= budget:
-            if i == len(SEARCH_PRECISIONS) - 1:
+            if i == len(ladder) - 1:
                 ne = index[(table, p.value)].deltas.ne_pct
-                return p, f"lowest searched ({p.value} alone: NE {ne:+.3g}%)"
-            lower = SEARCH_PRECISIONS[i + 1]
+                return p, f"smallest searched ({p.value} alone: NE {ne:+.3g}%)"
+            lower = ladder[i + 1]
             ne = index[(table, lower.value)].deltas.ne_pct
             return p, f"{lower.value} alone: NE {ne:+.3g}% > budget {budget:g}%"
-    ne = index[(table, SEARCH_PRECISIONS[1].value)].deltas.ne_pct
-    return Precision.FP32, f"{SEARCH_PRECISIONS[1].value} alone: NE {ne:+.3g}% > budget {budget:g}%"
+    ne = index[(table, ladder[1].value)].deltas.ne_pct
+    return Precision.FP32, f"{ladder[1].value} alone: NE {ne:+.3g}% > budget {budget:g}%"
 
 
 def search(
@@ -397,12 +430,13 @@ def search(
     fixed = dict(fixed or {})
     settings = dict(mlp_settings or {})
     searched = [t for t in ref.model.table_precisions() if t not in fixed]
+    ladders = precision_ladders(ref.model)
     sens = table_sensitivity(ref, tables=searched, progress=progress)
     index = _sens_index(sens)
     current: dict[str, Precision] = {}
     why: dict[str, str] = {}
     for table in searched:
-        current[table], why[table] = _first_choice(index, table, budget_ne_pct)
+        current[table], why[table] = _first_choice(index, table, budget_ne_pct, ladders[table])
     steps: list[dict[str, Any]] = []
 
     def verify(action: str) -> tuple[InferenceModel, Deltas]:
@@ -424,11 +458,11 @@ def search(
         model, deltas = verify("start: each table's lowest precision within the budget alone")
         bar.update(1)
         while deltas.ne_pct > budget_ne_pct:
-            worst = _raise_one(index, current)
+            worst = _raise_one(index, current, ladders)
             if worst is None:
                 break
             p = current[worst]
-            up = SEARCH_PRECISIONS[SEARCH_PRECISIONS.index(p) - 1]
+            up = ladders[worst][ladders[worst].index(p) - 1]
             current[worst] = up
             why[worst] = f"budget (raised from {p.value})"
             bar.total += 1

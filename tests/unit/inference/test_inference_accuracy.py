@@ -20,6 +20,7 @@ from tetrarec.inference import InferenceModel, load, save
 from tetrarec.inference.accuracy import (
     Deltas,
     Reference,
+    precision_ladders,
     recheck,
     reference,
     search,
@@ -280,3 +281,23 @@ def test_cli_quantize_usage_errors_are_one_line(
     assert err[-1].startswith("tetrarec quantize: error: ")
     assert message in err[-1]
     assert not (tmp_path / "q").exists()
+
+
+def test_the_search_never_picks_a_precision_that_stores_a_table_larger() -> None:
+    """Bug caught (found in review): a first-order term's dim-1 table was "quantized" to
+    INT4, 8 bytes a row (a code byte, FP16 scale and bias, aligned to 4) against FP32's 4,
+    because the search took the lowest precision, not the smallest table. Its ladder is
+    FP32 then FP16 only; a dim-4 table's stops at FP16 too (INT8 and INT4 rows are 8
+    bytes, FP16's 8); a dim-16 table keeps every precision."""
+
+    def entry(name: str, dim: int) -> dict[str, object]:
+        return {"name": name, "dim": dim}
+
+    manifest = dataclasses.make_dataclass("M", [("tables", list)])(
+        [entry("C1_first_order", 1), entry("narrow", 4), entry("wide", 16)]
+    )
+    fake = dataclasses.make_dataclass("Model", [("manifest", object)])(manifest)
+    ladders = precision_ladders(fake)  # type: ignore[arg-type]
+    assert ladders["C1_first_order"] == (Precision.FP32, Precision.FP16)
+    assert ladders["narrow"] == (Precision.FP32, Precision.FP16)
+    assert ladders["wide"] == (Precision.FP32, Precision.FP16, Precision.INT8, Precision.INT4)
