@@ -10,7 +10,7 @@ copy of itself.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 from tetrarec.inference.dense import DENSE_FORMATS, DENSE_PREFIX
 from tetrarec.inference.model import InferenceModel
 from tetrarec.kernels import decode_rows, encode_rows, row_width
+from tetrarec.sparse import Batch
 from tetrarec.types import Precision
 
 __all__ = [
@@ -52,11 +53,22 @@ class QuantSpec:
     mlp_settings: Mapping[str, Any] = field(default_factory=dict)
 
 
-def quantize_model(model: InferenceModel, spec: QuantSpec) -> InferenceModel:
+def quantize_model(
+    model: InferenceModel, spec: QuantSpec, *, calibration: Iterable[Batch] | None = None
+) -> InferenceModel:
     """``model`` with its tables and dense layers stored as ``spec`` says.
 
+    Args:
+        model: the model to quantize (left as it is).
+        spec: what to do.
+        calibration: batches (dense features already transformed, as
+            ``tetrarec.inference.scoring.batches`` gives them) that a dense format
+            calibrates on: static INT8 activations need them (a few batches of training
+            rows, e.g. ``batches(training_dataset(model), batch_size=2048)`` cut short).
+
     Raises:
-        ValueError: for an unknown table, table precision or dense format.
+        ValueError: for an unknown table, table precision, dense format or dense
+            setting, or static INT8 activations without calibration batches.
     """
     if spec.mlp not in DENSE_FORMATS:
         raise ValueError(
@@ -64,7 +76,9 @@ def quantize_model(model: InferenceModel, spec: QuantSpec) -> InferenceModel:
             f"{sorted(DENSE_FORMATS)}"
         )
     out = quantize_tables(model, spec.tables) if spec.tables else model
-    dense = {"precision": spec.mlp, **spec.mlp_settings}
+    dense = DENSE_FORMATS[spec.mlp].complete_settings(
+        out.module, {**spec.mlp_settings, "precision": spec.mlp}, calibration
+    )
     if dense == dict(out.manifest.dense):
         return out
     tensors = out.tensors()
