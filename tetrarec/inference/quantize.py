@@ -18,6 +18,7 @@ import torch
 
 from tetrarec.inference.dense import DENSE_FORMATS, DENSE_PREFIX
 from tetrarec.inference.model import InferenceModel
+from tetrarec.inference.prune import count_ids, prune_tables, training_dataset
 from tetrarec.kernels import decode_rows, encode_rows, row_width
 from tetrarec.sparse import Batch
 from tetrarec.types import Precision
@@ -46,11 +47,18 @@ class QuantSpec:
             (``fp32``, and the lower ones registered there).
         mlp_settings: the format's settings (for INT8: ``{"activations": "dynamic"}``
             or ``"static"``), stored in the manifest's ``dense`` section.
+        prune_min_count: prune, before converting precisions, every table's rows seen
+            fewer than this many times in the training rows
+            (``tetrarec.inference.prune``); 0 prunes nothing.
+        prune_counts: the counts to prune by (``count_ids``); ``None`` counts the
+            training run's training rows (``training_dataset``), which must be readable.
     """
 
     tables: Mapping[str, Precision] = field(default_factory=dict)
     mlp: str = "fp32"
     mlp_settings: Mapping[str, Any] = field(default_factory=dict)
+    prune_min_count: int = 0
+    prune_counts: Mapping[str, torch.Tensor] | None = None
 
 
 def quantize_model(
@@ -75,7 +83,13 @@ def quantize_model(
             f"dense format {spec.mlp!r} is not one this tetrarec has; valid: "
             f"{sorted(DENSE_FORMATS)}"
         )
-    out = quantize_tables(model, spec.tables) if spec.tables else model
+    out = model
+    if spec.prune_min_count > 0:
+        counts = spec.prune_counts
+        if counts is None:
+            counts = count_ids(model, training_dataset(model))
+        out = prune_tables(out, counts, spec.prune_min_count)
+    out = quantize_tables(out, spec.tables) if spec.tables else out
     dense = DENSE_FORMATS[spec.mlp].complete_settings(
         out.module, {**spec.mlp_settings, "precision": spec.mlp}, calibration
     )
