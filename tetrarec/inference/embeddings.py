@@ -20,15 +20,19 @@ Lookups run through a backend of ``BACKENDS`` (a registry, the only dispatch):
   (``quantized::embedding_bag_byte_rowwise_offsets`` and ``..._4bit_...``, FBGEMM's
   CPU kernels inside PyTorch) for INT8/INT4 tables (a copy of their rows in PyTorch's
   layout is made on first use), tetrarec's kernel for float ones (PyTorch has no
-  FP16/BF16 bag that accumulates in FP32).
+  FP16/BF16 bag that accumulates in FP32);
+- ``auto`` (the default): per precision, the path that measured faster
+  (``TORCH_FASTER``, from ``benchmarks/bench_inference_kernels.py``).
 
-Both give the same sums up to the order of additions. ``tetrarec bench inference``
-measures them; ``InferenceEmbeddingBags.backend`` says which one a model runs.
+All give the same sums up to the order of additions. ``InferenceEmbeddingBags.backend``
+says which backend a model runs and ``lookup_paths`` which kernel each precision's
+tables take.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,7 +45,14 @@ from tetrarec.kernels.layout import RowStore, plan_stores
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures, permute_keys
 from tetrarec.types import OptimizerKind, PoolingMode, Precision
 
-__all__ = ["BACKENDS", "DEFAULT_BACKEND", "InferenceEmbeddingBags", "LookupBackend"]
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_BACKEND",
+    "TORCH_FASTER",
+    "InferenceEmbeddingBags",
+    "LookupBackend",
+    "torch_packed_rows",
+]
 
 
 class InferenceEmbeddingBags(nn.Module):
@@ -54,7 +65,7 @@ class InferenceEmbeddingBags(nn.Module):
         rows: ``{table: stored rows}``: ``(stored, dim)`` in the table's float dtype,
             or ``(stored, row_bytes)`` uint8 packed rows for INT8/INT4.
         remaps: ``{table: (ids,) int32}`` for pruned tables: the stored row of each id.
-        backend: a name in ``BACKENDS``.
+        backend: a name in ``BACKENDS`` (default ``auto``, ``DEFAULT_BACKEND``).
 
     Raises:
         ValueError: for rows of another shape or dtype than their table's precision
@@ -67,7 +78,7 @@ class InferenceEmbeddingBags(nn.Module):
         rows: Mapping[str, torch.Tensor],
         *,
         remaps: Mapping[str, torch.Tensor] | None = None,
-        backend: str = "tetrarec",
+        backend: str = "auto",
     ) -> None:
         super().__init__()
         if backend not in BACKENDS:
@@ -148,6 +159,12 @@ class InferenceEmbeddingBags(nn.Module):
             out[f"tables.{name}.remap"] = remap
         return out
 
+    @property
+    def lookup_paths(self) -> dict[Precision, str]:
+        """``{precision: "tetrarec" | "torch"}``: which kernel pools each precision's tables."""
+        backend = BACKENDS[self.backend]
+        return {t.precision: backend.path(t.precision) for t in self.tables}
+
     def nbytes(self) -> int:
         """Bytes of every stored row and id map."""
         return sum(v.numel() * v.element_size() for v in self.stored_tensors().values())
@@ -204,27 +221,6 @@ class InferenceEmbeddingBags(nn.Module):
         return out
 
 
-#: ``(module, key-major ids, lengths, per-id weights or None, out (B, sum D))``: fill
-#: ``out`` with every feature's pooled rows.
-LookupBackend = Callable[
-    [InferenceEmbeddingBags, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], None
-]
-
-
-def _tetrarec_lookup(
-    module: InferenceEmbeddingBags,
-    values: torch.Tensor,
-    lengths: torch.Tensor,
-    weights: torch.Tensor | None,
-    out: torch.Tensor,
-) -> None:
-    for s, store in enumerate(module.stores):
-        ops.tbe_forward(
-            module.storage(s), module.meta(s), values, lengths, weights, out,
-            store.precision.value, False,
-        )  # fmt: skip
-
-
 _TORCH_QUANT_OPS: dict[Precision, str] = {
     Precision.INT8: "embedding_bag_byte_rowwise_offsets",
     Precision.INT4: "embedding_bag_4bit_rowwise_offsets",
@@ -247,20 +243,34 @@ def torch_packed_rows(rows: torch.Tensor, precision: Precision, dim: int) -> tor
     return rows[:, : packed + 4].contiguous()
 
 
-def _torch_lookup(
+def _tetrarec_stores(
     module: InferenceEmbeddingBags,
     values: torch.Tensor,
     lengths: torch.Tensor,
     weights: torch.Tensor | None,
     out: torch.Tensor,
+    skip: frozenset[Precision],
 ) -> None:
-    # Float tables: tetrarec's kernel (PyTorch has no FP16/BF16 bag that sums in FP32).
+    """Tetrarec's kernel, one call per store (precision) not in ``skip``."""
     for s, store in enumerate(module.stores):
-        if not store.precision.is_integer:
+        if store.precision not in skip:
             ops.tbe_forward(
                 module.storage(s), module.meta(s), values, lengths, weights, out,
                 store.precision.value, False,
             )  # fmt: skip
+
+
+def _torch_tables(
+    module: InferenceEmbeddingBags,
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    weights: torch.Tensor | None,
+    out: torch.Tensor,
+    precisions: frozenset[Precision],
+) -> None:
+    """PyTorch's row-wise quantized bags for every feature of a table in ``precisions``."""
+    if not any(t.precision in precisions for t in module.tables):
+        return
     cache: dict[str, torch.Tensor] = module.__dict__.setdefault("_torch_rows", {})
     batch = out.shape[0]
     per_feature = lengths.view(-1, batch)
@@ -270,7 +280,7 @@ def _torch_lookup(
     col = 0
     for f, name in enumerate(module.feature_names):
         t = next(t for t in module.tables if name in t.feature_names)
-        if t.precision.is_integer:
+        if t.precision in precisions:
             lo, hi = value_starts[f], value_starts[f + 1]
             offsets = torch.zeros(batch + 1, dtype=torch.int64, device=values.device)
             torch.cumsum(per_feature[f], 0, out=offsets[1:])
@@ -280,14 +290,55 @@ def _torch_lookup(
                 rows = module.table_rows(t.name)
                 cache[key] = torch_packed_rows(rows, t.precision, t.dim).to(values.device)
             op = getattr(torch.ops.quantized, _TORCH_QUANT_OPS[t.precision])
-            mode = 1 if t.pooling is PoolingMode.MEAN else 0
-            pooled = op(
-                cache[key], values[lo:hi].long(), offsets, False, mode, False, psw, None, True
-            )
+            # mode 0 (sum): PyTorch's quantized bags ignore mode=1 and sum anyway (torch
+            # 2.13), so a mean is the sum divided here by the bag length, as tetrarec's.
+            pooled = op(cache[key], values[lo:hi].long(), offsets, False, 0, False, psw, None, True)
+            if t.pooling is PoolingMode.MEAN:
+                pooled = pooled / per_feature[f].clamp(min=1).to(pooled.dtype)[:, None]
             out[:, col : col + t.dim] = pooled
         col += t.dim
 
 
+@dataclass(frozen=True)
+class LookupBackend:
+    """A lookup path per precision: PyTorch's bags for ``torch_precisions``, else tetrarec's.
+
+    ``torch_precisions`` is a subset of INT8 and INT4 (PyTorch has no other row-wise
+    bag); every other precision runs tetrarec's kernel. Called as
+    ``backend(module, key-major ids, lengths, per-id weights or None, out (B, sum D))``:
+    fills ``out`` with every feature's pooled rows.
+    """
+
+    torch_precisions: frozenset[Precision]
+
+    def path(self, precision: Precision) -> str:
+        """``"torch"`` or ``"tetrarec"``: which kernel pools tables of ``precision``."""
+        return "torch" if precision in self.torch_precisions else "tetrarec"
+
+    def __call__(
+        self,
+        module: InferenceEmbeddingBags,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        weights: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> None:
+        """Pool every feature into ``out``."""
+        _tetrarec_stores(module, values, lengths, weights, out, self.torch_precisions)
+        _torch_tables(module, values, lengths, weights, out, self.torch_precisions)
+
+
+#: The precisions whose PyTorch bags measured faster than tetrarec's kernel at batch
+#: 2048 on both shapes of ``benchmarks/bench_inference_kernels.py`` (see
+#: benchmarks/results/inference_kernels.md); ``auto`` runs those on PyTorch's ops.
+TORCH_FASTER: frozenset[Precision] = frozenset({Precision.INT8})
+
+
 #: The lookup backends, by name (the only dispatch on them).
-BACKENDS: dict[str, LookupBackend] = {"tetrarec": _tetrarec_lookup, "torch": _torch_lookup}
-DEFAULT_BACKEND = "tetrarec"
+BACKENDS: dict[str, LookupBackend] = {
+    "tetrarec": LookupBackend(frozenset()),
+    "torch": LookupBackend(frozenset(_TORCH_QUANT_OPS)),
+    "auto": LookupBackend(TORCH_FASTER),
+}
+#: The backend a model loads with: the faster path per precision, as measured.
+DEFAULT_BACKEND = "auto"

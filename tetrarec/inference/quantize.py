@@ -10,7 +10,7 @@ copy of itself.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,9 @@ import torch
 
 from tetrarec.inference.dense import DENSE_FORMATS, DENSE_PREFIX
 from tetrarec.inference.model import InferenceModel
+from tetrarec.inference.prune import count_ids, prune_tables, training_dataset
 from tetrarec.kernels import decode_rows, encode_rows, row_width
+from tetrarec.sparse import Batch
 from tetrarec.types import Precision
 
 __all__ = [
@@ -45,26 +47,52 @@ class QuantSpec:
             (``fp32``, and the lower ones registered there).
         mlp_settings: the format's settings (for INT8: ``{"activations": "dynamic"}``
             or ``"static"``), stored in the manifest's ``dense`` section.
+        prune_min_count: prune, before converting precisions, every table's rows seen
+            fewer than this many times in the training rows
+            (``tetrarec.inference.prune``); 0 prunes nothing.
+        prune_counts: the counts to prune by (``count_ids``); ``None`` counts the
+            training run's training rows (``training_dataset``), which must be readable.
     """
 
     tables: Mapping[str, Precision] = field(default_factory=dict)
     mlp: str = "fp32"
     mlp_settings: Mapping[str, Any] = field(default_factory=dict)
+    prune_min_count: int = 0
+    prune_counts: Mapping[str, torch.Tensor] | None = None
 
 
-def quantize_model(model: InferenceModel, spec: QuantSpec) -> InferenceModel:
+def quantize_model(
+    model: InferenceModel, spec: QuantSpec, *, calibration: Iterable[Batch] | None = None
+) -> InferenceModel:
     """``model`` with its tables and dense layers stored as ``spec`` says.
 
+    Args:
+        model: the model to quantize (left as it is).
+        spec: what to do.
+        calibration: batches (dense features already transformed, as
+            ``tetrarec.inference.scoring.batches`` gives them) that a dense format
+            calibrates on: static INT8 activations need them (a few batches of training
+            rows, e.g. ``batches(training_dataset(model), batch_size=2048)`` cut short).
+
     Raises:
-        ValueError: for an unknown table, table precision or dense format.
+        ValueError: for an unknown table, table precision, dense format or dense
+            setting, or static INT8 activations without calibration batches.
     """
     if spec.mlp not in DENSE_FORMATS:
         raise ValueError(
             f"dense format {spec.mlp!r} is not one this tetrarec has; valid: "
             f"{sorted(DENSE_FORMATS)}"
         )
-    out = quantize_tables(model, spec.tables) if spec.tables else model
-    dense = {"precision": spec.mlp, **spec.mlp_settings}
+    out = model
+    if spec.prune_min_count > 0:
+        counts = spec.prune_counts
+        if counts is None:
+            counts = count_ids(model, training_dataset(model))
+        out = prune_tables(out, counts, spec.prune_min_count)
+    out = quantize_tables(out, spec.tables) if spec.tables else out
+    dense = DENSE_FORMATS[spec.mlp].complete_settings(
+        out.module, {**spec.mlp_settings, "precision": spec.mlp}, calibration
+    )
     if dense == dict(out.manifest.dense):
         return out
     tensors = out.tensors()

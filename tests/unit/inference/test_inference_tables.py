@@ -1,0 +1,179 @@
+"""INT8/INT4 (and FP16) inference tables against FP32, and the two lookup paths.
+
+Bounds are per row, from each row's own stored scale (STYLE.md section 6): an INT8/INT4
+element decodes within ``scale/2`` of its FP32 value (the codes are computed on the
+FP16-rounded grid, which covers the row's min and max), plus FP32 rounding of the
+decode ``q * scale + bias``; a bag's error is the sum of its ids' bounds times their
+weights (divided by the bag length for mean pooling).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tetrarec.embedding import TableConfig
+from tetrarec.inference.embeddings import (
+    BACKENDS,
+    DEFAULT_BACKEND,
+    TORCH_FASTER,
+    InferenceEmbeddingBags,
+)
+from tetrarec.inference.quantize import convert_rows
+from tetrarec.sparse import SparseFeatures
+from tetrarec.types import PoolingMode, Precision
+
+EPS32 = 2.0**-23
+ROWS = 50
+DIMS = {"a": 8, "b": 6, "c": 8}
+
+
+def _tables(precision: Precision, pooling: PoolingMode) -> list[TableConfig]:
+    return [
+        TableConfig(name=n, num_embeddings=ROWS, dim=d, precision=precision, pooling=pooling)
+        for n, d in DIMS.items()
+    ]
+
+
+def _fp32_rows() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    # rows of very different ranges: one global tolerance would be too loose for some
+    return {
+        n: torch.randn(ROWS, d, generator=gen) * torch.logspace(-3, 1, ROWS)[:, None]
+        for n, d in DIMS.items()
+    }
+
+
+def _features(weighted: bool, batch: int = 16) -> SparseFeatures:
+    gen = torch.Generator().manual_seed(4)
+    lengths = torch.randint(0, 5, (len(DIMS) * batch,), generator=gen)
+    values = torch.randint(ROWS, (int(lengths.sum()),), generator=gen)
+    weights = torch.rand(values.numel(), generator=gen) * 2 - 0.5 if weighted else None
+    return SparseFeatures(
+        keys=tuple(DIMS), values=values, lengths=lengths, batch_size=batch, weights=weights
+    )
+
+
+def _row_bounds(stored: torch.Tensor, fp32: torch.Tensor, precision: Precision) -> torch.Tensor:
+    """``(rows,)``: the largest decode error of any element of each row."""
+    if precision is Precision.FP16:
+        return fp32.abs().amax(1) * 2.0**-11  # round to nearest, 11 significant bits
+    dim = fp32.shape[1]
+    payload = (dim * precision.bits + 7) // 8
+    scale_bias = stored[:, payload : payload + 4].contiguous().view(torch.float16).float()
+    scale, bias = scale_bias[:, 0], scale_bias[:, 1]
+    levels = (1 << precision.bits) - 1
+    decode = 4 * EPS32 * (fp32.abs().amax(1) + bias.abs() + levels * scale)
+    return scale / 2 + decode
+
+
+def _bag_bounds(sf: SparseFeatures, bounds: dict[str, torch.Tensor], mean: bool) -> torch.Tensor:
+    """``(B, F)``: each bag's bound: sum of |weight| x its ids' row bounds (/ L for mean)."""
+    batch = sf.batch_size
+    out = torch.zeros(len(sf.keys), batch)
+    lengths = sf.lengths.view(len(sf.keys), batch)
+    start = 0
+    w = sf.weights if sf.weights is not None else torch.ones(sf.values.numel())
+    for f, key in enumerate(sf.keys):
+        for b in range(batch):
+            n = int(lengths[f, b])
+            ids, ws = sf.values[start : start + n], w[start : start + n]
+            out[f, b] = (ws.abs() * bounds[key][ids]).sum() / (max(n, 1) if mean else 1)
+            start += n
+    return out.t()
+
+
+def _per_feature(values: torch.Tensor) -> list[torch.Tensor]:
+    return list(values.split(list(DIMS.values()), dim=1))
+
+
+@pytest.mark.parametrize("backend", ["tetrarec", "torch", "auto"])
+@pytest.mark.parametrize("pooling", [PoolingMode.SUM, PoolingMode.MEAN])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("precision", [Precision.FP16, Precision.INT8, Precision.INT4])
+def test_quantized_tables_pool_within_each_rows_bound_of_fp32(
+    precision: Precision, weighted: bool, pooling: PoolingMode, backend: str
+) -> None:
+    """Catches a wrong scale or bias layout (FP16 pair swapped, INT4 nibbles reversed,
+    padding read as codes), a per-sample weight or mean divisor dropped by one path:
+    each breaks some row's own scale-derived bound, where a global tolerance sized for
+    the widest row would let the narrow rows' errors through."""
+    fp32 = _fp32_rows()
+    stored = {n: convert_rows(r, Precision.FP32, precision, DIMS[n]) for n, r in fp32.items()}
+    ref = InferenceEmbeddingBags(_tables(Precision.FP32, pooling), fp32)
+    quant = InferenceEmbeddingBags(_tables(precision, pooling), stored, backend=backend)
+    sf = _features(weighted)
+    bound = _bag_bounds(
+        sf,
+        {n: _row_bounds(stored[n], fp32[n], precision) for n in DIMS},
+        pooling is PoolingMode.MEAN,
+    )
+    for f, (q, r) in enumerate(zip(_per_feature(quant(sf).values), _per_feature(ref(sf).values))):
+        err = (q - r).abs().amax(1)  # (B,)
+        slack = 1e-6 * (r.abs().amax(1) + 1e-6)  # FP32 sums in another order
+        assert bool((err <= bound[:, f] + slack).all()), (f, (err - bound[:, f]).max())
+
+
+@pytest.mark.parametrize("pooling", [PoolingMode.SUM, PoolingMode.MEAN])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("pruned", [False, True])
+@pytest.mark.parametrize("precision", [Precision.INT8, Precision.INT4])
+def test_both_lookup_paths_give_the_same_sums(
+    precision: Precision, weighted: bool, pooling: PoolingMode, pruned: bool
+) -> None:
+    """Catches the torch path drifting from tetrarec's kernel on the same stored rows
+    (a repacking error in ``torch_packed_rows``, mean or weights handled otherwise, a
+    pruned table's remap not applied before PyTorch's op)."""
+    fp32 = _fp32_rows()
+    stored = {n: convert_rows(r, Precision.FP32, precision, DIMS[n]) for n, r in fp32.items()}
+    remaps = {}
+    if pruned:  # table b keeps its even ids; the zero row is the last stored row
+        keep = stored["b"][0::2]
+        stored["b"] = torch.cat([keep, torch.zeros_like(keep[:1])])
+        remaps["b"] = torch.where(
+            torch.arange(ROWS) % 2 == 0, torch.arange(ROWS) // 2, keep.shape[0]
+        ).to(torch.int32)
+    tables = _tables(precision, pooling)
+    tables[1] = TableConfig(
+        name="b", num_embeddings=stored["b"].shape[0], dim=DIMS["b"], precision=precision,
+        pooling=pooling,
+    )  # fmt: skip
+    out = {
+        b: InferenceEmbeddingBags(tables, stored, remaps=remaps, backend=b)(
+            _features(weighted)
+        ).values
+        for b in ("tetrarec", "torch")
+    }
+    # Same decoded values, summed in another order: a few FP32 ulps of the bag's magnitude.
+    magnitude = out["tetrarec"].abs() + 1e-6
+    assert bool(((out["torch"] - out["tetrarec"]).abs() <= 64 * EPS32 * magnitude + 1e-6).all())
+    if pruned:  # odd ids of table b pool to zero on both paths
+        sf = SparseFeatures.from_lists({"a": [[0]], "b": [[1, 3]], "c": [[0]]})
+        for b in ("tetrarec", "torch"):
+            bags = InferenceEmbeddingBags(tables, stored, remaps=remaps, backend=b)
+            assert torch.equal(_per_feature(bags(sf).values)[1], torch.zeros(1, DIMS["b"]))
+
+
+def test_auto_is_the_default_and_says_which_path_each_precision_takes() -> None:
+    """Catches the measured choice not being the default, or a path report that does
+    not match what runs."""
+    assert DEFAULT_BACKEND == "auto"
+    for precision in (Precision.FP32, Precision.FP16, Precision.INT8, Precision.INT4):
+        fp32 = _fp32_rows()
+        stored = {n: convert_rows(r, Precision.FP32, precision, DIMS[n]) for n, r in fp32.items()}
+        bags = InferenceEmbeddingBags(_tables(precision, PoolingMode.SUM), stored)
+        want = "torch" if precision in TORCH_FASTER else "tetrarec"
+        assert bags.backend == "auto"
+        assert bags.lookup_paths == {precision: want}
+        assert InferenceEmbeddingBags(
+            _tables(precision, PoolingMode.SUM), stored, backend="tetrarec"
+        ).lookup_paths == {precision: "tetrarec"}
+    assert BACKENDS["torch"].path(Precision.FP16) == "tetrarec"  # PyTorch has no FP16 bag
+
+
+def test_unknown_backend_is_a_clear_error() -> None:
+    """Catches a typo in the backend name running some default path."""
+    with pytest.raises(ValueError, match=r"unknown lookup backend 'fbgemm'; valid: \['auto'"):
+        InferenceEmbeddingBags(
+            _tables(Precision.FP32, PoolingMode.SUM), _fp32_rows(), backend="fbgemm"
+        )
