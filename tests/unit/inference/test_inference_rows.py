@@ -253,7 +253,7 @@ def test_request_shape_and_row_count_are_checked(raises_exactly: Any) -> None:
     """Bug caught: a body that is not ``{"rows": [...]}`` or has too many rows read
     anyway (or crashing with a TypeError instead of a one-line error)."""
     reader = RowReader(criteo_config(), None, max_rows=2)
-    with pytest.raises(TooManyRowsError, match="^the request has 3 rows; at most 2$"):
+    with pytest.raises(TooManyRowsError, match=r"^the request has 3 rows; at most 2$"):
         reader.parse([good_criteo_row()] * 3)
     with raises_exactly("rows must be a list of objects, got an object"):
         reader.parse({"a": 1})
