@@ -26,6 +26,9 @@
                       [--eval FILE ... | --eval-split] [--budget-ne PCT] [--eval-rows N]
                       [--json PATH] [--plot PNG]
     tetrarec quantize --check --model DIR2 --reference DIR --eval FILE ... [--budget-ne PCT]
+    tetrarec serve --model DIR [--host H] [--port N] [--max-batch N] [--max-wait-ms MS]
+                   [--no-batching] [--threads N] [--max-body-bytes N] [--max-rows N]
+                                                    HTTP scoring (SIGTERM/Ctrl-C: exit 0)
     tetrarec bench NAME [args ...]                  runs benchmarks/bench_NAME.py
 
 tetrarec's own errors print one line on stderr (``tetrarec COMMAND: error: ...``), never
@@ -172,6 +175,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_predict(sub)
     _add_quantize(sub)
+    _add_serve(sub)
     bench = sub.add_parser("bench", help="run benchmarks/bench_NAME.py from the source tree")
     bench.add_argument("name", nargs="?", help="the benchmark (none: list them)")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script")
@@ -575,6 +579,59 @@ def _quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- tetrarec serve (HTTP scoring) --------------------------------------------------------
+
+
+def _add_serve(sub: Any) -> None:
+    # Defaults are ServeSettings' (None here: the command's parser imports no server).
+    serve = sub.add_parser("serve", help="serve an exported model over HTTP (JSON scoring)")
+    serve.add_argument("--model", required=True, type=Path, help="the model directory")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    serve.add_argument(
+        "--max-batch", type=_at_least_one, help="most rows per model call (default 4096)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-wait-ms", type=float,
+        help="longest wait for more requests to batch with (default 2)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--no-batching", action="store_true", help="score each request in its own model call"
+    )
+    serve.add_argument("--threads", type=_at_least_one, help="torch threads for the model")
+    serve.add_argument(
+        "--max-body-bytes", type=_at_least_one,
+        help="largest request body (default 16 MiB; 413 beyond)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-rows", type=_at_least_one, help="most rows per request (default 4096; 413 beyond)",
+    )  # fmt: skip
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tetrarec.inference import load
+    from tetrarec.inference.serve import ServeSettings, run_server
+
+    given = {
+        "max_batch": args.max_batch,
+        "max_wait_ms": args.max_wait_ms,
+        "threads": args.threads,
+        "max_body_bytes": args.max_body_bytes,
+        "max_rows": args.max_rows,
+    }
+    settings = ServeSettings(
+        batching=not args.no_batching, **{k: v for k, v in given.items() if v is not None}
+    )
+    model = load(args.model)
+
+    def ready(url: str) -> None:
+        print(f"serving {args.model} (model {model.manifest.content_hash}) on {url}", flush=True)
+
+    run_server(model, settings, host=args.host, port=args.port, on_ready=ready)
+    print("tetrarec serve: stopped", flush=True)
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     folder = _REPO_ROOT / "benchmarks"
     found = ", ".join(sorted(p.stem.removeprefix("bench_") for p in folder.glob("bench_*.py")))
@@ -646,11 +703,12 @@ _COMMANDS = {
     "export": _export,
     "predict": _predict,
     "quantize": _quantize,
+    "serve": _serve,
     "bench": _bench,
 }
 
 
-_NEEDS_KERNELS = frozenset({"demo", "train", "eval", "predict", "quantize"})
+_NEEDS_KERNELS = frozenset({"demo", "train", "eval", "predict", "quantize", "serve"})
 _MAX_LINE = 1000  # longer messages are cut: one line must stay readable
 
 
