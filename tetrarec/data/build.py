@@ -4,12 +4,17 @@ One loader per source, in the ``LOADERS`` registry keyed by ``DataSource``; row 
 and the evaluation split are applied the same way for every file source. Loaders return
 raw dense values; both splits are then wrapped in a ``TransformedDataset`` with the
 dense transform fitted on the training split only (``tetrarec.data.dense``).
+
+Training always requires labels: a file without its label column is refused, naming the
+column and the file. Only ``evaluation_dataset(..., require_labels=False)`` (scoring)
+reads files without one; the dataset then says ``has_labels = False``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from tetrarec.data.binary import open_binary
 from tetrarec.data.config import DataConfig, DataSource, DenseKind
@@ -26,6 +31,7 @@ from tetrarec.embedding.config import TableConfig
 __all__ = [
     "LOADERS",
     "NATURAL_DENSE",
+    "Loader",
     "build_datasets",
     "dense_spec",
     "evaluation_dataset",
@@ -38,17 +44,53 @@ logger = logging.getLogger(__name__)
 _HOLDOUT = 10  # without eval_path and eval_rows, the last 1/10 of the rows is held out
 
 
+class Loader(Protocol):
+    """Reads the files of one source into a dataset (an entry of ``LOADERS``)."""
+
+    def __call__(
+        self,
+        paths: tuple[str, ...],
+        config: DataConfig,
+        tables: Sequence[TableConfig],
+        *,
+        require_labels: bool = True,
+    ) -> Dataset:
+        """The rows of ``paths``.
+
+        Args:
+            paths: the files (or the one directory) to read.
+            config: the data settings (columns, csv options, bad-line rule).
+            tables: the model's tables.
+            require_labels: refuse files without labels (training); when false, such
+                files are read and the dataset says ``has_labels = False`` (scoring).
+        """
+        ...
+
+
 def _load_criteo(
-    paths: tuple[str, ...], config: DataConfig, tables: Sequence[TableConfig]
+    paths: tuple[str, ...],
+    config: DataConfig,
+    tables: Sequence[TableConfig],
+    *,
+    require_labels: bool = True,
 ) -> Dataset:
-    block, bad = read_criteo(paths, on_bad_line=config.on_bad_line)
+    block, bad = read_criteo(paths, on_bad_line=config.on_bad_line, require_labels=require_labels)
     return ColumnsDataset(
-        labels=block.labels, dense=block.dense, sparse=block.sparse, tables=tables, bad_lines=bad
+        labels=block.labels,
+        dense=block.dense,
+        sparse=block.sparse,
+        tables=tables,
+        bad_lines=bad,
+        has_labels=block.labeled,
     )
 
 
 def _load_binary(
-    paths: tuple[str, ...], config: DataConfig, tables: Sequence[TableConfig]
+    paths: tuple[str, ...],
+    config: DataConfig,
+    tables: Sequence[TableConfig],
+    *,
+    require_labels: bool = True,  # a preprocessed directory always has its labels
 ) -> Dataset:
     if len(paths) != 1:
         raise ValueError(
@@ -67,7 +109,11 @@ def _load_binary(
 
 
 def _load_parquet(
-    paths: tuple[str, ...], config: DataConfig, tables: Sequence[TableConfig]
+    paths: tuple[str, ...],
+    config: DataConfig,
+    tables: Sequence[TableConfig],
+    *,
+    require_labels: bool = True,
 ) -> Dataset:
     return ParquetDataset(
         paths,
@@ -75,23 +121,33 @@ def _load_parquet(
         sparse_columns=config.sparse_columns,
         label_column=config.label_column,
         tables=tables,
+        require_labels=require_labels,
     )
 
 
-def _load_csv(paths: tuple[str, ...], config: DataConfig, tables: Sequence[TableConfig]) -> Dataset:
+def _load_csv(
+    paths: tuple[str, ...],
+    config: DataConfig,
+    tables: Sequence[TableConfig],
+    *,
+    require_labels: bool = True,
+) -> Dataset:
     mapping = ColumnMapping(
         label_column=config.label_column,
         dense_columns=config.dense_columns,
         sparse_columns=config.sparse_columns,
     )
     return CsvDataset(
-        paths, mapping=mapping, tables=tables, csv=config.csv, on_bad_line=config.on_bad_line
+        paths,
+        mapping=mapping,
+        tables=tables,
+        csv=config.csv,
+        on_bad_line=config.on_bad_line,
+        require_labels=require_labels,
     )
 
 
-LOADERS: dict[
-    DataSource, Callable[[tuple[str, ...], DataConfig, Sequence[TableConfig]], Dataset]
-] = {
+LOADERS: dict[DataSource, Loader] = {
     DataSource.CRITEO: _load_criteo,
     DataSource.BINARY: _load_binary,
     DataSource.PARQUET: _load_parquet,
@@ -221,6 +277,8 @@ def evaluation_dataset(
     tables: Sequence[TableConfig],
     saved: DenseTransform | None,
     files: Sequence[str] = (),
+    *,
+    require_labels: bool = True,
 ) -> TransformedDataset:
     """The rows a saved model is evaluated (or scores) on, through its saved transform.
 
@@ -230,6 +288,10 @@ def evaluation_dataset(
     ``build_datasets`` makes (rows of ``train_path``, or synthetic). The dense features
     go through ``saved`` (fitted on the run's training rows), never a transform refitted
     on these rows; a model too old to have saved one gets the source's default.
+
+    With ``require_labels=False`` (scoring) files without labels are read too (a Criteo
+    file of 39 fields, a csv or parquet file without ``data.label_column``); the
+    dataset's ``has_labels`` then says whether every file had them.
 
     Raises:
         ValueError: for ``files`` of a source that reads none (synthetic), or dense
@@ -246,7 +308,7 @@ def evaluation_dataset(
     own = config.eval_path if load is not None and saved is not None else ()
     paths = tuple(files) or tuple(own)
     if load is not None and paths:
-        base = load(paths, config, tables)
+        base = load(paths, config, tables, require_labels=require_labels)
         log_bad_lines(base, paths)  # data.on_bad_line = "skip" drops lines: say how many
         rows = config.eval_rows
         raw = base if rows is None else RowRange(base, *rows, what="data.eval_rows")

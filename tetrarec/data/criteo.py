@@ -6,6 +6,11 @@ Each line is 40 TAB-separated fields, no header, plain text or gzip::
     0/1    integers, may be    8 hex digits (a 32-bit hash),
            negative or empty   or empty
 
+A file without the label field (Criteo's ``test.txt``: 39 fields, ``I1 .. C26``) is
+read when the caller does not require labels (scoring): each file's layout is told
+from its first line, and a line of the other layout in it is a bad line
+(``on_bad_line``). Its rows' labels are NaN and its blocks say ``labeled=False``.
+
 Missing values become 0 (a missing dense value is 0 before the transform; a missing
 categorical is the raw value 0). The reader keeps both raw: the dense values as float32
 (exact below ``2**24``; larger counts round to float32's 24-bit precision), the
@@ -91,14 +96,16 @@ class CriteoBlock:
     """Parsed rows of one block (``n`` rows).
 
     Args:
-        labels: ``(n,)`` float32 in {0, 1}.
+        labels: ``(n,)`` float32 in {0, 1}; NaN when not ``labeled``.
         dense: ``(n, 13)`` float32 raw integer values (0 when missing; no transform).
         sparse: ``(n, 26)`` uint32 raw categorical values (0 when missing).
+        labeled: whether the rows came from lines with a label field.
     """
 
     labels: np.ndarray
     dense: np.ndarray
     sparse: np.ndarray
+    labeled: bool = True
 
     @property
     def rows(self) -> int:
@@ -251,7 +258,6 @@ def _label_column(arr: pa.Array) -> np.ndarray:
     return labels
 
 
-_READ_OPTIONS = pacsv.ReadOptions(column_names=list(_FIELDS), block_size=_BLOCK_BYTES + 1024)
 _PARSE_OPTIONS = pacsv.ParseOptions(
     delimiter="\t",
     quote_char=False,
@@ -259,18 +265,55 @@ _PARSE_OPTIONS = pacsv.ParseOptions(
     escape_char=False,
     ignore_empty_lines=False,
 )
-_CONVERT_OPTIONS = pacsv.ConvertOptions(
-    column_types={
-        "label": pa.binary(),
-        **dict.fromkeys(DENSE_FIELDS, pa.int64()),
-        **dict.fromkeys(SPARSE_FIELDS, pa.binary()),
-    },
-    null_values=[""],
-    strings_can_be_null=False,
-)
 
 
-def _parse_fast(block: bytes) -> CriteoBlock:
+@dataclass(frozen=True, kw_only=True)
+class _Layout:
+    """The fields of a line: with the label (the click logs) or without (``test.txt``)."""
+
+    fields: tuple[str, ...]
+    read_options: pacsv.ReadOptions
+    convert_options: pacsv.ConvertOptions
+
+    @classmethod
+    def of(cls, fields: tuple[str, ...]) -> _Layout:
+        types = {"label": pa.binary(), **dict.fromkeys(DENSE_FIELDS, pa.int64())}
+        types.update(dict.fromkeys(SPARSE_FIELDS, pa.binary()))
+        return cls(
+            fields=fields,
+            read_options=pacsv.ReadOptions(
+                column_names=list(fields), block_size=_BLOCK_BYTES + 1024
+            ),
+            convert_options=pacsv.ConvertOptions(
+                column_types={f: types[f] for f in fields},
+                null_values=[""],
+                strings_can_be_null=False,
+            ),
+        )
+
+    @property
+    def labeled(self) -> bool:
+        """Whether the first field is the label."""
+        return self.fields[0] == "label"
+
+
+# Keyed by whether the lines carry the label field.
+_LAYOUTS = {True: _Layout.of(_FIELDS), False: _Layout.of(_FIELDS[1:])}
+
+
+def _layout(block: bytes, require_labels: bool) -> _Layout:
+    """The layout of a file whose first block is ``block``: told from its first line.
+
+    Only a first line of exactly 39 fields, when labels are not required, makes a file
+    unlabeled; any other first line is read as the labeled layout (a bad first line is
+    then refused or skipped as the labeled layout's).
+    """
+    first = block[: block.find(b"\n")].removesuffix(b"\r")
+    unlabeled = not require_labels and first.count(b"\t") + 1 == len(_FIELDS) - 1
+    return _LAYOUTS[not unlabeled]
+
+
+def _parse_fast(block: bytes, layout: _Layout = _LAYOUTS[True]) -> CriteoBlock:
     """Parse a block with pyarrow. Raises ``_BlockInvalidError`` when any line is bad."""
     # Two things pyarrow accepts that are no Criteo data, sent to the strict parser: hex
     # integers ("0x1f" -> 31; "x" is valid nowhere in a line), and a UTF-8 byte-order
@@ -280,27 +323,36 @@ def _parse_fast(block: bytes) -> CriteoBlock:
     try:
         table = pacsv.read_csv(
             pa.py_buffer(block),
-            read_options=_READ_OPTIONS,
+            read_options=layout.read_options,
             parse_options=_PARSE_OPTIONS,
-            convert_options=_CONVERT_OPTIONS,
+            convert_options=layout.convert_options,
         )
     except pa.ArrowInvalid:
         raise _BlockInvalidError from None
     n = table.num_rows
     if n != block.count(b"\n"):  # pyarrow also ends lines at a lone "\r"
         raise _BlockInvalidError
-    labels = _label_column(table.column("label").combine_chunks())
+    if layout.labeled:
+        labels = _label_column(table.column("label").combine_chunks())
+    else:
+        labels = np.full(n, np.nan, dtype=np.float32)
     dense = np.empty((n, NUM_DENSE), dtype=np.float32)
     for i, name in enumerate(DENSE_FIELDS):
         dense[:, i] = table.column(name).combine_chunks().fill_null(0).to_numpy()  # int64
     sparse = np.empty((n, NUM_SPARSE), dtype=np.uint32)
     for i, name in enumerate(SPARSE_FIELDS):
         sparse[:, i] = _hex_column(table.column(name).combine_chunks())
-    return CriteoBlock(labels=labels, dense=dense, sparse=sparse)
+    return CriteoBlock(labels=labels, dense=dense, sparse=sparse, labeled=layout.labeled)
 
 
-def _parse_line(line: bytes, path: Path, lineno: int) -> tuple[int, list[int], list[int]]:
-    """Parse one line strictly. Raises ``DataError`` naming the line and the field."""
+def _parse_line(
+    line: bytes, path: Path, lineno: int, layout: _Layout
+) -> tuple[int, list[int], list[int]]:
+    """Parse one line strictly (label 0 without a label field).
+
+    Raises:
+        DataError: naming the line and the field.
+    """
 
     def bad(reason: BadLineReason, field: str, detail: str) -> DataError:
         return DataError(
@@ -310,13 +362,16 @@ def _parse_line(line: bytes, path: Path, lineno: int) -> tuple[int, list[int], l
     if line.endswith(b"\r"):
         line = line[:-1]
     fields = line.split(b"\t")
-    if len(fields) != len(_FIELDS):
-        detail = f"expected {len(_FIELDS)} tab-separated fields, got {len(fields)}"
+    if len(fields) != len(layout.fields):
+        detail = f"expected {len(layout.fields)} tab-separated fields, got {len(fields)}"
         raise bad(BadLineReason.FIELD_COUNT, "fields", detail)
-    if fields[0] not in (b"0", b"1"):
-        raise bad(BadLineReason.LABEL_NOT_BINARY, "label", f"got {fields[0][:20]!r}")
+    label = b"0"
+    if layout.labeled:
+        label, fields = fields[0], fields[1:]
+        if label not in (b"0", b"1"):
+            raise bad(BadLineReason.LABEL_NOT_BINARY, "label", f"got {label[:20]!r}")
     dense = []
-    for name, value in zip(DENSE_FIELDS, fields[1 : 1 + NUM_DENSE]):
+    for name, value in zip(DENSE_FIELDS, fields[:NUM_DENSE]):
         if not value:
             dense.append(0)
             continue
@@ -325,7 +380,7 @@ def _parse_line(line: bytes, path: Path, lineno: int) -> tuple[int, list[int], l
             raise bad(BadLineReason.DENSE_NOT_INTEGER, name, f"got {value[:30]!r}")
         dense.append(x)
     sparse = []
-    for name, value in zip(SPARSE_FIELDS, fields[1 + NUM_DENSE :]):
+    for name, value in zip(SPARSE_FIELDS, fields[NUM_DENSE:]):
         if not value:
             sparse.append(0)
         elif _HEX_RE.fullmatch(value):
@@ -334,11 +389,16 @@ def _parse_line(line: bytes, path: Path, lineno: int) -> tuple[int, list[int], l
             longer = _LONG_HEX_RE.fullmatch(value) is not None
             note = ": hex, but over 8 digits (Criteo's ids are 32 bits)" if longer else ""
             raise bad(BadLineReason.CATEGORICAL_NOT_HEX, name, f"got {value[:30]!r}{note}")
-    return int(fields[0] == b"1"), dense, sparse
+    return int(label == b"1"), dense, sparse
 
 
 def _parse_slow(
-    block: bytes, first_line: int, path: Path, policy: BadLinePolicy, tally: BadLineTally
+    block: bytes,
+    first_line: int,
+    path: Path,
+    layout: _Layout,
+    policy: BadLinePolicy,
+    tally: BadLineTally,
 ) -> CriteoBlock:
     """Parse a block line by line, raising or counting bad lines per ``policy``."""
     labels: list[int] = []
@@ -346,7 +406,7 @@ def _parse_slow(
     sparse: list[list[int]] = []
     for i, line in enumerate(block.split(b"\n")[:-1]):
         try:
-            label, d, s = _parse_line(line, path, first_line + i)
+            label, d, s = _parse_line(line, path, first_line + i, layout)
         except DataError as e:
             if policy == BadLinePolicy.ERROR:
                 raise
@@ -355,10 +415,14 @@ def _parse_slow(
         labels.append(label)
         dense.append(d)
         sparse.append(s)
+    values = np.asarray(labels, dtype=np.float32)
+    if not layout.labeled:
+        values[:] = np.nan
     return CriteoBlock(
-        labels=np.asarray(labels, dtype=np.float32),
+        labels=values,
         dense=np.asarray(dense, dtype=np.int64).reshape(-1, NUM_DENSE).astype(np.float32),
         sparse=np.asarray(sparse, dtype=np.uint32).reshape(-1, NUM_SPARSE),
+        labeled=layout.labeled,
     )
 
 
@@ -368,6 +432,7 @@ def iter_criteo_blocks(
     on_bad_line: str | BadLinePolicy = BadLinePolicy.ERROR,
     tally: BadLineTally | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    require_labels: bool = True,
 ) -> Iterator[CriteoBlock]:
     """Parse one raw Criteo file (plain or gzip), block by block, in file order.
 
@@ -378,9 +443,11 @@ def iter_criteo_blocks(
         tally: where skipped lines are counted (a fresh one when None).
         on_bytes: called with the number of bytes read from disk since the last call
             (for progress bars).
+        require_labels: every line must have the label field (training); when false, a
+            file whose first line has 39 fields is read without labels (scoring).
 
     Yields:
-        ``CriteoBlock`` of each block's good rows.
+        ``CriteoBlock`` of each block's good rows (all ``labeled`` or none).
 
     Raises:
         DataFileNotFoundError: if the file does not exist.
@@ -394,13 +461,16 @@ def iter_criteo_blocks(
     # in file order; a block the fast parser rejects is re-parsed line by line here, in
     # order, so errors and skip counts are exactly those of a sequential read.
     pending: deque[tuple[Future[CriteoBlock], bytes, int]] = deque()
+    layout: _Layout | None = None
     with ThreadPoolExecutor(max_workers=_PARSE_THREADS) as pool:
         for block, first_line in _line_blocks(path, on_bytes):
-            pending.append((pool.submit(_parse_fast, block), block, first_line))
+            layout = layout or _layout(block, require_labels)
+            pending.append((pool.submit(_parse_fast, block, layout), block, first_line))
             if len(pending) > _PARSE_THREADS:
-                yield _finish_block(*pending.popleft(), path, policy, tally)
+                yield _finish_block(*pending.popleft(), path, layout, policy, tally)
         while pending:
-            yield _finish_block(*pending.popleft(), path, policy, tally)
+            assert layout is not None  # set by the first block
+            yield _finish_block(*pending.popleft(), path, layout, policy, tally)
 
 
 _PARSE_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -411,6 +481,7 @@ def _finish_block(
     block: bytes,
     first_line: int,
     path: Path,
+    layout: _Layout,
     policy: BadLinePolicy,
     tally: BadLineTally,
 ) -> CriteoBlock:
@@ -418,17 +489,22 @@ def _finish_block(
     try:
         return fast.result()
     except _BlockInvalidError:
-        return _parse_slow(block, first_line, path, policy, tally)
+        return _parse_slow(block, first_line, path, layout, policy, tally)
 
 
 def read_criteo(
-    paths: Sequence[str | Path], *, on_bad_line: str | BadLinePolicy = BadLinePolicy.ERROR
+    paths: Sequence[str | Path],
+    *,
+    on_bad_line: str | BadLinePolicy = BadLinePolicy.ERROR,
+    require_labels: bool = True,
 ) -> tuple[CriteoBlock, BadLineSummary]:
     """Read whole raw Criteo files into memory, concatenated in the order given.
 
     Args:
         paths: the files (plain or gzip).
         on_bad_line: ``"error"`` or ``"skip"``.
+        require_labels: see ``iter_criteo_blocks``. When false the rows are
+            ``labeled`` only if every file is: one file without labels makes them all NaN.
 
     Returns:
         ``(all rows, summary of skipped lines)``.
@@ -440,10 +516,19 @@ def read_criteo(
     if not paths:
         raise ValueError("read_criteo needs at least one file")
     tally = BadLineTally()
-    blocks = [b for p in paths for b in iter_criteo_blocks(p, on_bad_line=on_bad_line, tally=tally)]
+    blocks = [
+        b
+        for p in paths
+        for b in iter_criteo_blocks(
+            p, on_bad_line=on_bad_line, tally=tally, require_labels=require_labels
+        )
+    ]
+    labeled = all(b.labeled for b in blocks)
+    labels = np.concatenate([b.labels for b in blocks])
     out = CriteoBlock(
-        labels=np.concatenate([b.labels for b in blocks]),
+        labels=labels if labeled else np.full_like(labels, np.nan),
         dense=np.concatenate([b.dense for b in blocks]),
         sparse=np.concatenate([b.sparse for b in blocks]),
+        labeled=labeled,
     )
     return out, tally.freeze(out.rows)

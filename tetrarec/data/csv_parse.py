@@ -34,11 +34,25 @@ class _BlockInvalidError(Exception):
 
 
 class _FilePlan:
-    """How one file's lines are read: its column names and pyarrow's options."""
+    """How one file's lines are read: its column names and pyarrow's options.
 
-    def __init__(self, path: Path, names: Sequence[str], mapping: ColumnMapping, csv: CsvConfig):
+    Without ``require_labels``, a file without the label column is read unlabeled
+    (``has_labels`` false: its rows' labels are NaN).
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        names: Sequence[str],
+        mapping: ColumnMapping,
+        csv: CsvConfig,
+        *,
+        require_labels: bool = True,
+    ):
         self.path, self.names, self.mapping, self.csv = path, tuple(names), mapping, csv
-        missing = [c for c in mapping.columns if c not in self.names]
+        self.has_labels = require_labels or mapping.label_column in self.names
+        columns = mapping.columns if self.has_labels else mapping.columns[1:]
+        missing = [c for c in columns if c not in self.names]
         if missing:
             where = "the header line" if csv.header else "csv.column_names"
             raise DataError(
@@ -46,15 +60,15 @@ class _FilePlan:
                 path=path,
                 line=1 if csv.header else None,
             )
-        twice = sorted({c for c in mapping.columns if self.names.count(c) > 1})
+        twice = sorted({c for c in columns if self.names.count(c) > 1})
         if twice:
             raise DataError(f"columns {twice} appear more than once in the header", path=path)
         self.multi_hot = frozenset(csv.multi_hot_columns)
         # The mapped columns in file order: a bad line names the first bad one.
-        self.used = tuple(c for c in self.names if c in mapping.columns)
+        self.used = tuple(c for c in self.names if c in columns)
         self.parse_options = _parse_options(csv.delimiter)
         self.open_quote = _open_quote_pattern(csv.delimiter)
-        types = {mapping.label_column: pa.string()}
+        types = {mapping.label_column: pa.string()} if self.has_labels else {}
         types.update(dict.fromkeys(mapping.dense_columns, pa.float64()))
         types.update(dict.fromkeys(mapping.sparse_columns, pa.string()))
         self.convert = _convert_options(types)
@@ -230,10 +244,12 @@ def _parse_block(data: bytes, expected_rows: int, plan: _FilePlan) -> MultiHotCo
     if table.num_rows != expected_rows:  # an open quote or a lone "\r" moved a line end
         raise _BlockInvalidError
     m = plan.mapping
-    label = table.column(m.label_column).combine_chunks()
-    if not pc.all(pc.is_in(label, value_set=pa.array(["0", "1"]))).as_py():
-        raise _BlockInvalidError
-    labels = pc.equal(label, "1").to_numpy(zero_copy_only=False).astype(np.float32)
+    labels = np.full(expected_rows, np.nan, dtype=np.float32)
+    if plan.has_labels:
+        label = table.column(m.label_column).combine_chunks()
+        if not pc.all(pc.is_in(label, value_set=pa.array(["0", "1"]))).as_py():
+            raise _BlockInvalidError
+        labels = pc.equal(label, "1").to_numpy(zero_copy_only=False).astype(np.float32)
     dense = np.zeros((expected_rows, len(m.dense_columns)), dtype=np.float32)
     with np.errstate(over="ignore"):  # beyond float32's range is inf, refused just below
         for i, name in enumerate(m.dense_columns):
@@ -247,6 +263,7 @@ def _parse_block(data: bytes, expected_rows: int, plan: _FilePlan) -> MultiHotCo
         ids=tuple(b[0] for b in bags),
         offsets=tuple(b[1] for b in bags),
         multi_hot=tuple(c in plan.multi_hot for c in m.sparse_columns),
+        labeled=plan.has_labels,
     )
 
 

@@ -7,7 +7,10 @@ A file is plain text or gzip (told by its magic bytes), UTF-8, one row per line:
     1,14102100,1fbe01fe,,15704            <- an empty field is a missing value
 
 The mapping (``DataConfig.dense_columns``, ``sparse_columns``, ``label_column``)
-picks columns by name; other columns are not converted. Values are read as follows:
+picks columns by name; other columns are not converted. A file without the label
+column is read (its labels NaN, ``labeled=False``) only when the caller does not
+require labels (scoring); training refuses it, naming the column. Values are read as
+follows:
 
 - **label**: the text ``0`` or ``1``; anything else is a bad line.
 - **dense**: a decimal number as pyarrow reads a float64 (``1``, ``-2.5``, ``1e3``);
@@ -184,6 +187,7 @@ def iter_csv_blocks(
     on_bad_line: str | BadLinePolicy = BadLinePolicy.ERROR,
     tally: BadLineTally | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    require_labels: bool = True,
 ) -> Iterator[MultiHotColumns]:
     """Parse one delimited text file (plain or gzip), block by block, in file order.
 
@@ -196,6 +200,8 @@ def iter_csv_blocks(
             counts it in ``tally``.
         tally: where skipped lines are counted (a fresh one when None).
         on_bytes: called with the number of bytes read from disk since the last call.
+        require_labels: the label column must be in the file (training); when false, a
+            file without it is read unlabeled (scoring).
 
     Yields:
         ``MultiHotColumns`` of each block's good rows (raw ids, not yet hashed into
@@ -214,11 +220,15 @@ def iter_csv_blocks(
     extra = sorted(set(csv.multi_hot_columns) - set(mapping.sparse_columns))
     if extra:
         raise ValueError(f"csv.multi_hot_columns {extra} are not sparse columns of the mapping")
-    plan = None if csv.header else _FilePlan(path, csv.column_names, mapping, csv)
+
+    def make_plan(names: Sequence[str]) -> _FilePlan:
+        return _FilePlan(path, names, mapping, csv, require_labels=require_labels)
+
+    plan = None if csv.header else make_plan(csv.column_names)
     for block, first_line in _line_blocks(path, on_bytes):
         if plan is None:
             head, _, block = block.partition(b"\n")
-            plan = _FilePlan(path, _header(head, path, csv), mapping, csv)
+            plan = make_plan(_header(head, path, csv))
             first_line += 1
             if not block:
                 continue
@@ -233,6 +243,7 @@ def read_csv(
     *,
     csv: CsvConfig | None = None,
     on_bad_line: str | BadLinePolicy = BadLinePolicy.ERROR,
+    require_labels: bool = True,
 ) -> tuple[MultiHotColumns, BadLineSummary]:
     """Read whole delimited text files into memory, concatenated in the order given.
 
@@ -241,6 +252,8 @@ def read_csv(
         mapping: the label, dense and sparse columns to read.
         csv: how the files are read (see ``CsvConfig``).
         on_bad_line: ``"error"`` or ``"skip"``.
+        require_labels: see ``iter_csv_blocks``; the rows are ``labeled`` only if every
+            file has the label column.
 
     Returns:
         ``(all rows, summary of skipped lines)``.
@@ -256,7 +269,9 @@ def read_csv(
     parts = [
         b
         for p in paths
-        for b in iter_csv_blocks(p, mapping, csv=csv, on_bad_line=on_bad_line, tally=tally)
+        for b in iter_csv_blocks(
+            p, mapping, csv=csv, on_bad_line=on_bad_line, tally=tally, require_labels=require_labels
+        )
     ]
     if not parts:
         raise tally.no_rows_error(str([str(p) for p in paths]))
@@ -274,6 +289,7 @@ class CsvDataset(MultiHotDataset):
         csv: how the files are read (see ``CsvConfig``).
         on_bad_line: ``"error"`` or ``"skip"``; skipped lines are summarized in
             ``bad_lines``.
+        require_labels: see ``read_csv``; ``has_labels`` says whether the rows have them.
 
     Raises:
         DataFileNotFoundError: if a file is missing.
@@ -289,6 +305,9 @@ class CsvDataset(MultiHotDataset):
         tables: Sequence[TableConfig],
         csv: CsvConfig | None = None,
         on_bad_line: str | BadLinePolicy = BadLinePolicy.ERROR,
+        require_labels: bool = True,
     ) -> None:
-        columns, bad = read_csv(paths, mapping, csv=csv, on_bad_line=on_bad_line)
+        columns, bad = read_csv(
+            paths, mapping, csv=csv, on_bad_line=on_bad_line, require_labels=require_labels
+        )
         super().__init__(columns, tables=tables, bad_lines=bad)

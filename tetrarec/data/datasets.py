@@ -3,7 +3,9 @@
 A dataset is random access: ``read(indices)`` returns the ``Batch`` of those rows, in
 that order. Loaders choose the rows (shuffling, rank slicing); datasets only read.
 Datasets return raw dense values; ``tetrarec.data.dense`` transforms them. A dataset
-whose stored dense values are already transformed says so in ``dense_applied``.
+whose stored dense values are already transformed says so in ``dense_applied``. A
+dataset read from files without labels (scoring input) says ``has_labels = False`` and
+its batches' labels are NaN; ``has_labels(dataset)`` asks any dataset.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "DenseRows",
     "RowRange",
     "check_indices",
+    "has_labels",
     "read_dense_rows",
     "table_rows_per_feature",
 ]
@@ -70,6 +73,14 @@ def read_dense_rows(dataset: Dataset, start: int, stop: int) -> np.ndarray:
     return dataset.read(np.arange(start, stop, dtype=np.int64)).dense.numpy()
 
 
+def has_labels(dataset: Dataset) -> bool:
+    """Whether ``dataset``'s rows carry labels (false: its batches' labels are NaN).
+
+    Datasets that always have labels (synthetic, binary) need not say so.
+    """
+    return bool(getattr(dataset, "has_labels", True))
+
+
 def check_indices(indices: np.ndarray, num_samples: int) -> np.ndarray:
     """``indices`` as int64, checked to lie in ``[0, num_samples)``.
 
@@ -108,13 +119,14 @@ class ColumnsDataset:
     time (``hash_ids``), so the same columns serve any table sizes.
 
     Args:
-        labels: ``(N,)`` float32.
+        labels: ``(N,)`` float32 (NaN without ``has_labels``).
         dense: ``(N, D)`` float32 raw values (missing -> 0).
         sparse: ``(N, F)`` raw integer categorical values.
         tables: the model's tables; feature ``i`` is ``feature_order(tables)[i]``.
         bad_lines: the summary of lines skipped while reading, if any.
         dense_applied: the transform ``dense`` already went through (``log1p`` for a
             binary directory of format version 1), ``none`` for raw values.
+        has_labels: whether ``labels`` are the rows' labels (false: files without them).
     """
 
     def __init__(
@@ -126,8 +138,10 @@ class ColumnsDataset:
         tables: Sequence[TableConfig],
         bad_lines: BadLineSummary | None = None,
         dense_applied: DenseKind = DenseKind.NONE,
+        has_labels: bool = True,
     ) -> None:
         self.labels, self.dense, self.sparse = labels, dense, sparse
+        self.has_labels = has_labels
         self.dense_applied = DenseKind(dense_applied)
         self.num_samples = int(labels.shape[0])
         self.num_dense = int(dense.shape[1])
@@ -189,6 +203,7 @@ class RowRange:
         self.keys = base.keys
         self.bad_lines: BadLineSummary | None = getattr(base, "bad_lines", None)
         self.dense_applied = DenseKind(getattr(base, "dense_applied", DenseKind.NONE))
+        self.has_labels = has_labels(base)
 
     def read(self, indices: np.ndarray) -> Batch:
         """The batch of rows ``indices`` of the range."""

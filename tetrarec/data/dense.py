@@ -39,7 +39,7 @@ import torch
 
 from tetrarec import jsonio
 from tetrarec.data.config import AUTO_DENSE, DataConfig, DenseKind
-from tetrarec.data.datasets import Dataset, read_dense_rows
+from tetrarec.data.datasets import Dataset, has_labels, read_dense_rows
 from tetrarec.data.errors import BadLineSummary, DataError
 from tetrarec.sparse import Batch
 
@@ -508,6 +508,7 @@ class TransformedDataset:
         self.num_dense = base.num_dense
         self.keys = base.keys
         self.bad_lines: BadLineSummary | None = getattr(base, "bad_lines", None)
+        self.has_labels = has_labels(base)
         self._warned_overflow = False
 
     def with_transform(self, transform: DenseTransform) -> TransformedDataset:

@@ -73,13 +73,14 @@ class MultiHotColumns:
     A one-hot feature has one id per row (``offsets[f] == arange(N+1)``).
 
     Args:
-        labels: ``(N,)`` float32 in {0, 1}.
+        labels: ``(N,)`` float32 in {0, 1}; NaN when not ``labeled``.
         dense: ``(N, D)`` float32, raw values (missing -> 0).
         ids: per feature, ``(N_f,)`` int64 raw ids (integer values, or
             ``hash_strings`` of string values).
         offsets: per feature, ``(N+1,)`` int64 bag boundaries.
         multi_hot: per feature, whether the source column holds lists (a
             preprocessed copy keeps list columns as lists).
+        labeled: whether the file had the label column.
     """
 
     labels: np.ndarray
@@ -87,6 +88,7 @@ class MultiHotColumns:
     ids: tuple[np.ndarray, ...]
     offsets: tuple[np.ndarray, ...]
     multi_hot: tuple[bool, ...]
+    labeled: bool = True
 
     @property
     def rows(self) -> int:
@@ -96,6 +98,8 @@ class MultiHotColumns:
     @staticmethod
     def concatenate(parts: Sequence[MultiHotColumns]) -> MultiHotColumns:
         """The rows of ``parts``, in order (at least one part, all with the same features).
+
+        The rows are ``labeled`` only if every part is (else every label is NaN).
 
         Raises:
             ValueError: if ``parts`` is empty or the parts have different features.
@@ -111,12 +115,15 @@ class MultiHotColumns:
             lengths = np.concatenate([np.diff(p.offsets[f]) for p in parts])
             offsets.append(offsets_from_lengths(lengths))
         multi_hot = tuple(any(p.multi_hot[f] for p in parts) for f in range(num_features))
+        labeled = all(p.labeled for p in parts)
+        labels = np.concatenate([p.labels for p in parts])
         return MultiHotColumns(
-            labels=np.concatenate([p.labels for p in parts]),
+            labels=labels if labeled else np.full_like(labels, np.nan),
             dense=np.concatenate([p.dense for p in parts]),
             ids=tuple(ids),
             offsets=tuple(offsets),
             multi_hot=multi_hot,
+            labeled=labeled,
         )
 
 
@@ -154,6 +161,7 @@ class MultiHotDataset:
             raise DataError("the dataset has no rows")
         self.num_dense = int(columns.dense.shape[1])
         self.labels = columns.labels
+        self.has_labels = columns.labeled
         self.dense = columns.dense
         self.bad_lines = bad_lines
         # Per feature: (N_f,) table rows and (N+1,) offsets.

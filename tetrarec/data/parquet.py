@@ -17,7 +17,9 @@ Ids are hashed into each feature's table with ``hash_ids`` when the files are lo
 so an integer column holding ``hash_strings`` ids (as ``tetrarec preprocess csv``
 writes) gives the same rows as the strings. Parquet is typed, so the only bad values
 are labels other than 0/1 and columns of the wrong type: both raise ``DataError``
-naming the file, the row (1-based) and the column.
+naming the file, the row (1-based) and the column. A file without the label column is
+read (its labels NaN, ``labeled=False``) only when the caller does not require labels
+(scoring); training refuses it, naming the column and the file.
 """
 
 from __future__ import annotations
@@ -45,7 +47,16 @@ __all__ = ["ParquetDataset", "iter_parquet_blocks", "read_parquet"]
 _BATCH_ROWS = 1 << 20  # rows per block when streaming a file (preprocess)
 
 
-def _open(path: Path, columns: Sequence[str]) -> pq.ParquetFile:
+def _open(
+    path: Path, mapping: ColumnMapping, *, require_labels: bool = True
+) -> tuple[pq.ParquetFile, tuple[str, ...]]:
+    """The file and the mapped columns to read from it (the label only when it has one).
+
+    Raises:
+        DataFileNotFoundError: if the file does not exist.
+        DataError: if it is not parquet, or lacks a mapped column (the label column
+            too, when ``require_labels``).
+    """
     if not path.exists():
         raise DataFileNotFoundError(path)
     try:
@@ -53,10 +64,13 @@ def _open(path: Path, columns: Sequence[str]) -> pq.ParquetFile:
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"not a readable parquet file ({e})", path=path) from None
     names = file.schema_arrow.names
+    columns = mapping.columns
+    if not require_labels and mapping.label_column not in names:
+        columns = columns[1:]  # (label, *dense, *sparse): scoring input without labels
     missing = [c for c in columns if c not in names]
     if missing:
         raise DataError(f"columns {missing} are not in the file; it has {names}", path=path)
-    return file
+    return file, columns
 
 
 def _decoded(col: pa.ChunkedArray | pa.Array) -> pa.Array:
@@ -201,11 +215,17 @@ def _columns_of_table(
 ) -> MultiHotColumns:
     """The mapped columns of ``table`` (rows ``first_row + 1 ..`` of ``path``).
 
+    Without the label column in ``table`` the rows are unlabeled (NaN).
+
     Raises:
         DataError: for a mistyped column or a bad label, naming the file, row and column.
     """
-    table = pa.table({name: _column(table, name) for name in mapping.columns})
-    labels = _labels(table.column(mapping.label_column), path, mapping.label_column, first_row)
+    labeled = mapping.label_column in table.column_names
+    columns = mapping.columns if labeled else mapping.columns[1:]
+    table = pa.table({name: _column(table, name) for name in columns})
+    labels = np.full(table.num_rows, np.nan, dtype=np.float32)
+    if labeled:
+        labels = _labels(table.column(mapping.label_column), path, mapping.label_column, first_row)
     dense = np.zeros((table.num_rows, len(mapping.dense_columns)), dtype=np.float32)
     for i, name in enumerate(mapping.dense_columns):
         dense[:, i] = _dense(table.column(name), path, name, first_row)
@@ -216,6 +236,7 @@ def _columns_of_table(
         ids=tuple(b[0] for b in bags),
         offsets=tuple(b[1] for b in bags),
         multi_hot=tuple(b[2] for b in bags),
+        labeled=labeled,
     )
 
 
@@ -240,7 +261,7 @@ def iter_parquet_blocks(
         DataError: for an unreadable file, a missing or mistyped column, a bad label.
     """
     path = Path(path)
-    file = _open(path, mapping.columns)
+    file, _ = _open(path, mapping)
     first_row = 0
     try:
         for batch in file.iter_batches(batch_size=_BATCH_ROWS, columns=list(mapping.columns)):
@@ -252,8 +273,17 @@ def iter_parquet_blocks(
         on_bytes(path.stat().st_size)
 
 
-def read_parquet(paths: Sequence[str | Path], mapping: ColumnMapping) -> MultiHotColumns:
+def read_parquet(
+    paths: Sequence[str | Path], mapping: ColumnMapping, *, require_labels: bool = True
+) -> MultiHotColumns:
     """Read whole parquet files into memory, concatenated in the order given.
+
+    Args:
+        paths: the files.
+        mapping: the columns to read.
+        require_labels: every file must have the label column (training); when false,
+            a file without it is read unlabeled, and the rows are ``labeled`` only if
+            every file has it (scoring).
 
     Raises:
         ValueError: if ``paths`` is empty.
@@ -264,9 +294,9 @@ def read_parquet(paths: Sequence[str | Path], mapping: ColumnMapping) -> MultiHo
         raise ValueError("read_parquet needs at least one file")
     parts = []
     for p in map(Path, paths):
-        file = _open(p, mapping.columns)
+        file, columns = _open(p, mapping, require_labels=require_labels)
         try:
-            table = file.read(columns=list(mapping.columns))
+            table = file.read(columns=list(columns))
         except (pa.ArrowException, OSError) as e:
             raise DataError(f"cannot read parquet data ({e})", path=p) from None
         parts.append(_columns_of_table(table, mapping, p))
@@ -283,6 +313,8 @@ class ParquetDataset(MultiHotDataset):
             ``feature_order``.
         label_column: the 0/1 label column.
         tables: the model's tables.
+        require_labels: see ``read_parquet``; ``has_labels`` says whether the rows
+            have them.
 
     Raises:
         DataFileNotFoundError: if a file is missing.
@@ -298,13 +330,14 @@ class ParquetDataset(MultiHotDataset):
         sparse_columns: Sequence[str],
         label_column: str,
         tables: Sequence[TableConfig],
+        require_labels: bool = True,
     ) -> None:
         mapping = ColumnMapping(
             label_column=label_column,
             dense_columns=tuple(dense_columns),
             sparse_columns=tuple(sparse_columns),
         )
-        columns = read_parquet(paths, mapping)
+        columns = read_parquet(paths, mapping, require_labels=require_labels)
         if columns.rows == 0:
             raise DataError(f"no rows in {[str(p) for p in paths]}")
         super().__init__(columns, tables=tables)
