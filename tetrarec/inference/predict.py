@@ -9,7 +9,9 @@ rows at a time::
     row    the 0-based index of the row among the rows read (over the files in
            order); or, with ``id_column``, that column of the input (as text)
     score  the click probability, sigmoid(logit), FP32
-    label  the row's 0/1 label (every source tetrarec reads has one)
+    label  the row's 0/1 label, only when the input has labels: a Criteo file of 39
+           fields (``test.txt``, no label field) or a csv or parquet file without
+           ``data.label_column`` is scored all the same, without this column
 
 Memory: the readers (``tetrarec.data``) hold the whole input in memory (raw columns,
 about 4 bytes per value); scoring and writing stream over it, one batch at a time, so
@@ -41,6 +43,7 @@ import pyarrow.parquet as pq
 from tetrarec.data import BadLinePolicy, BadLineSummary, DataFileNotFoundError, DataSource
 from tetrarec.data.config import DataConfig
 from tetrarec.data.criteo import open_input
+from tetrarec.data.datasets import has_labels
 from tetrarec.inference.model import InferenceModel
 from tetrarec.inference.scoring import batches, model_dataset
 
@@ -85,6 +88,7 @@ class PredictSummary:
         output: the file written.
         output_format: its format.
         id_column: the input column written as ``id``, or ``None`` (``row`` written).
+        labeled: whether the input had labels (and the output a ``label`` column).
         mean_score: the mean score over the rows.
         bad_lines: the lines skipped while reading, when the reader counts them.
     """
@@ -95,6 +99,7 @@ class PredictSummary:
     id_column: str | None
     mean_score: float
     bad_lines: BadLineSummary | None
+    labeled: bool = True
 
     def summary(self) -> str:
         """One line: the rows, the file, the mean score and any skipped lines."""
@@ -113,6 +118,7 @@ class PredictSummary:
             "output": str(self.output),
             "format": self.output_format,
             "id_column": self.id_column,
+            "labeled": self.labeled,
             "mean_score": self.mean_score,
             "bad_lines": None if self.bad_lines is None else self.bad_lines.to_dict(),
         }
@@ -304,7 +310,8 @@ def predict_files(model: InferenceModel, settings: PredictSettings) -> PredictSu
     fmt = _output_format(settings)
     _check_paths(settings)
     model = _scoring_config(model, settings)
-    dataset = model_dataset(model, settings.files)
+    dataset = model_dataset(model, settings.files, require_labels=False)
+    labeled = has_labels(dataset)
     bad: BadLineSummary | None = getattr(dataset, "bad_lines", None)
     ids = None
     if settings.id_column is not None:
@@ -324,13 +331,10 @@ def predict_files(model: InferenceModel, settings: PredictSettings) -> PredictSu
             scores = model.predict(batch.dense, batch.sparse).float().cpu().numpy()
             n = scores.shape[0]
             key = ids[done : done + n] if ids is not None else np.arange(done, done + n)
-            writer.write(
-                {
-                    "id" if ids is not None else "row": key,
-                    "score": scores,
-                    "label": batch.labels.cpu().numpy().astype(np.int8),
-                }
-            )
+            columns = {"id" if ids is not None else "row": key, "score": scores}
+            if labeled:
+                columns["label"] = batch.labels.cpu().numpy().astype(np.int8)
+            writer.write(columns)
             done, total = done + n, total + float(scores.astype(np.float64).sum())
         writer.close()
         tmp.replace(settings.output)
@@ -345,4 +349,5 @@ def predict_files(model: InferenceModel, settings: PredictSettings) -> PredictSu
         id_column=settings.id_column,
         mean_score=total / max(done, 1),
         bad_lines=bad,
+        labeled=labeled,
     )
