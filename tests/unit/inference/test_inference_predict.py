@@ -1,5 +1,6 @@
 """``tetrarec predict``: the scores it writes are the model's on the same rows, with the
-row's index or id and label beside them, and bad input is one line naming it."""
+row's index or id and (when the input has labels) the label beside them, and bad input
+is one line naming it."""
 
 import csv
 import dataclasses
@@ -16,10 +17,11 @@ import torch
 
 from tetrarec.cli import main
 from tetrarec.config import RunConfig
+from tetrarec.data import DataError
 from tetrarec.inference import load
 from tetrarec.inference.export import export_checkpoint
 from tetrarec.inference.predict import PredictSettings, predict_files
-from tetrarec.inference.scoring import model_dataset
+from tetrarec.inference.scoring import evaluate_model, model_dataset
 from tetrarec.train import train
 
 COMMON = [
@@ -316,3 +318,112 @@ def test_a_model_of_synthetic_data_asks_for_a_source(criteo_model, tmp_path):
         predict_files(model, settings)
     scored = predict_files(model, dataclasses.replace(settings, source="criteo"))
     assert scored.rows == 3
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "csv"])
+def test_criteo_test_txt_without_labels_scores_as_the_labeled_rows(
+    criteo_model, tmp_path, capsys, fmt
+):
+    """Criteo's ``test.txt`` layout (39 fields, no label) is scored: the same scores as
+    the same lines with a label in front, and no ``label`` column (the JSON summary says
+    ``labeled: false``). Catches the file refused for its field count, fields shifted by
+    one (I1 read as the label), or a made-up label column written."""
+    lines = _criteo_lines(23, 6)
+    labeled, unlabeled = tmp_path / "train.tsv", tmp_path / "test.txt"
+    labeled.write_text("\n".join(lines) + "\n")
+    unlabeled.write_text("\n".join(line.split("\t", 1)[1] for line in lines) + "\n")
+    model = load(criteo_model)
+    want = tmp_path / "want.parquet"
+    predict_files(model, PredictSettings(files=(str(labeled),), output=want, batch_size=5))
+    out, summary = tmp_path / f"scores.{fmt}", tmp_path / "s.json"
+    argv = ["-q", "predict", "--model", str(criteo_model), "--input", str(unlabeled)]
+    argv += ["--output", str(out), "--batch-size", "5", "--no-progress", "--json", str(summary)]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith(f"scored 23 rows -> {out}")
+    if fmt == "parquet":
+        table = pq.read_table(out).to_pydict()
+    else:
+        with out.open() as f:
+            table = {k: [float(x) for x in v] for k, v in _columns(csv.DictReader(f)).items()}
+    assert list(table) == ["row", "score"]
+    assert table["row"] == list(range(23))
+    np.testing.assert_array_equal(
+        np.array(table["score"], dtype=np.float32),
+        np.array(pq.read_table(want).column("score").to_pylist(), dtype=np.float32),
+    )
+    assert json.loads(summary.read_text())["labeled"] is False
+    assert list(pq.read_table(want).column_names) == ["row", "score", "label"]
+
+
+def _without(columns: tuple[str, ...], drop: str) -> tuple[list[int], tuple[str, ...]]:
+    keep = [i for i, c in enumerate(columns) if c != drop]
+    return keep, tuple(columns[i] for i in keep)
+
+
+@pytest.mark.parametrize("source", ["csv", "parquet"])
+def test_csv_and_parquet_without_the_label_column_score_as_the_labeled_rows(
+    csv_model, tmp_path, source
+):
+    """A csv (or, with ``--source parquet``, a parquet) file of requests without the
+    ``click`` column: the ids and scores of the same rows with the column, and no
+    ``label`` column. Catches the file refused for the missing label, the columns read
+    by position once one is gone, or labels of 0 written for rows that have none."""
+    header = ("id", "click", "price", "site", "device")
+    rows = _csv_rows(19, 7)
+    keep, names = _without(header, "click")
+    unlabeled_rows = [[r[i] for i in keep] for r in rows]
+    labeled = tmp_path / "labeled.csv"
+    _write_csv(labeled, rows)
+    if source == "csv":
+        unlabeled = tmp_path / "requests.csv.gz"
+        _write_csv(unlabeled, unlabeled_rows, header=names)
+    else:
+        unlabeled = tmp_path / "requests.parquet"
+        pq.write_table(
+            pa.table(
+                {
+                    "id": [r[0] for r in unlabeled_rows],
+                    "price": [float(r[1]) for r in unlabeled_rows],
+                    "site": [r[2] for r in unlabeled_rows],
+                    "device": [r[3] for r in unlabeled_rows],
+                }
+            ),
+            unlabeled,
+        )
+    model = load(csv_model)
+    settings = PredictSettings(
+        files=(str(labeled),), output=tmp_path / "want.parquet", batch_size=6, id_column="id"
+    )
+    predict_files(model, settings)
+    summary = predict_files(
+        model,
+        dataclasses.replace(
+            settings,
+            files=(str(unlabeled),),
+            output=tmp_path / "got.parquet",
+            source=None if source == "csv" else "parquet",
+        ),
+    )
+    assert summary.rows == 19
+    assert not summary.labeled
+    want = pq.read_table(tmp_path / "want.parquet").to_pydict()
+    got = pq.read_table(tmp_path / "got.parquet").to_pydict()
+    assert list(got) == ["id", "score"]
+    assert got == {"id": want["id"], "score": want["score"]}
+    assert want["label"] == [int(r[1]) for r in rows]
+
+
+def test_metrics_on_input_without_labels_refuse(csv_model, tmp_path):
+    """``evaluate_model`` over rows read without labels is a clear error, never metrics
+    over NaN or made-up labels; reading the file with labels required (how metrics
+    ask for data) names the missing column and the file. Catches a scoring dataset
+    whose NaN labels reach the metrics, or the leniency becoming the default."""
+    data = tmp_path / "requests.csv"
+    keep, names = _without(("id", "click", "price", "site", "device"), "click")
+    _write_csv(data, [[r[i] for i in keep] for r in _csv_rows(6, 8)], header=names)
+    model = load(csv_model)
+    unlabeled = model_dataset(model, [str(data)], require_labels=False)
+    with pytest.raises(ValueError, match="cannot compute metrics: the input has no labels"):
+        evaluate_model(model, unlabeled)
+    with pytest.raises(DataError, match=r"columns \['click'\] are not in the header line"):
+        model_dataset(model, [str(data)])
