@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (variants alternate)")
     p.add_argument("--timed-batches", type=int, default=8, help="scoring calls per round")
-    p.add_argument("--budget-ne", type=float, default=0.05, help="the searched variant's %")
+    p.add_argument("--budget-ne", type=float, default=0.05, help="NE budget, %% (searched)")
     p.add_argument("--search-rows", type=int, default=50_000, help="rows the search scores")
     g = p.add_argument_group("synthetic data (bench_cache's trade-off sizes)")
     g.add_argument("--train-samples", type=int, default=600_000)
