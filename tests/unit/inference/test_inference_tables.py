@@ -177,3 +177,26 @@ def test_unknown_backend_is_a_clear_error() -> None:
         InferenceEmbeddingBags(
             _tables(Precision.FP32, PoolingMode.SUM), _fp32_rows(), backend="fbgemm"
         )
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize(("feature", "bad_id"), [("a", 5), ("b", -1), ("b", 4), ("c", 9)])
+def test_an_id_outside_its_table_is_named_with_its_feature(backend, feature, bad_id) -> None:
+    """Bugs caught: the one-pass bounds check (every feature's ids against their table's
+    rows at once) naming the wrong feature (an off-by-one between the first bad id and
+    its feature's range), letting a negative or too-large id through to a kernel, or
+    checking a pruned table against its stored rows instead of the ids it answers."""
+    tables = [
+        TableConfig(name="a", num_embeddings=5, dim=4, feature_names=("a",)),
+        TableConfig(name="b", num_embeddings=4, dim=4, feature_names=("b",)),
+        TableConfig(name="c", num_embeddings=3, dim=4, feature_names=("c",)),
+    ]
+    rows = {t.name: torch.randn(t.num_embeddings, 4) for t in tables}
+    remap = torch.tensor([0, 1, 2, 2, 1, 0, 2, 2, 2], dtype=torch.int32)  # c: 9 ids, 3 rows
+    bags = InferenceEmbeddingBags(tables, rows, remaps={"c": remap}, backend=backend)
+    good = {"a": [[0, 4], [1]], "b": [[3], [0, 2]], "c": [[8], [0, 1]]}
+    bags(SparseFeatures.from_lists(good))  # every id in range, the pruned table's too
+    bad = {k: [list(b) for b in v] for k, v in good.items()}
+    bad[feature][1].append(bad_id)
+    with pytest.raises(ValueError, match=rf"feature '{feature}': id {bad_id} is outside"):
+        bags(SparseFeatures.from_lists(bad))
