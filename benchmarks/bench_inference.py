@@ -27,6 +27,7 @@ and the ratios to fp32: ``bytes_ratio``, ``speedup``, ``ne_change_pct``, ``auc_c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import shutil
@@ -55,12 +56,20 @@ from tetrarec.inference import InferenceModel, load
 from tetrarec.inference.accuracy import Reference, reference, search
 from tetrarec.inference.dense import DENSE_FORMATS
 from tetrarec.inference.export import export_checkpoint
-from tetrarec.inference.quantize import QuantSpec, quantize_model, quantize_tables
+from tetrarec.inference.prune import count_ids, training_dataset
+from tetrarec.inference.quantize import QuantSpec, quantize_model, quantize_tables, tables_at
 from tetrarec.inference.scoring import model_dataset
 from tetrarec.train import train
 from tetrarec.types import Precision
 
-VARIANTS = ("fp32", "int8-emb", "int8-emb+int8-mlp", "int4-emb", "searched")
+VARIANTS = (
+    "fp32",
+    "int8-emb",
+    "int8-emb+int8-mlp",
+    "int8-emb+int8-mlp+pruned",
+    "int4-emb",
+    "searched",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -132,22 +141,28 @@ def variants(
     model: InferenceModel, ref: Reference, args: argparse.Namespace
 ) -> tuple[dict[str, InferenceModel], dict[str, str], dict[str, Any]]:
     """``{variant: model}``, ``{variant: why skipped}`` and the search's summary."""
-    names = list(model.table_precisions())
-    int8 = dict.fromkeys(names, Precision.INT8)
+    # Each table at the precision, or where it would store the table larger (a first-order
+    # term's dim-1 tables), at its smallest (FP16): tables_at.
+    int8 = tables_at(model, Precision.INT8)
     out = {
         "fp32": model,
         "int8-emb": quantize_tables(model, int8),
-        "int4-emb": quantize_tables(model, dict.fromkeys(names, Precision.INT4)),
+        "int4-emb": quantize_tables(model, tables_at(model, Precision.INT4)),
     }
     skipped = {}
     has_int8_mlp = "int8" in DENSE_FORMATS
     if has_int8_mlp:
         spec = QuantSpec(tables=int8, mlp="int8", mlp_settings={"activations": "dynamic"})
         out["int8-emb+int8-mlp"] = quantize_model(model, spec)
+        # ... and the rows no training row touched pruned (they read as zeros).
+        counts = count_ids(model, training_dataset(model))
+        pruned = dataclasses.replace(spec, prune_min_count=1, prune_counts=counts)
+        out["int8-emb+int8-mlp+pruned"] = quantize_model(model, pruned)
     else:
-        skipped["int8-emb+int8-mlp"] = (
-            f"no INT8 dense format in this tree (DENSE_FORMATS: {sorted(DENSE_FORMATS)})"
-        )
+        for name in ("int8-emb+int8-mlp", "int8-emb+int8-mlp+pruned"):
+            skipped[name] = (
+                f"no INT8 dense format in this tree (DENSE_FORMATS: {sorted(DENSE_FORMATS)})"
+            )
     mlp = "int8" if has_int8_mlp else "fp32"
     settings = {"activations": "dynamic"} if has_int8_mlp else {}
     found = search(ref, args.budget_ne, mlp=mlp, mlp_settings=settings)

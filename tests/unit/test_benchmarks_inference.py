@@ -28,10 +28,17 @@ def test_inference_bench_smoke_reports_every_variant(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     payload = json.loads(out.read_text())
     rows = {r["variant"]: r for r in payload["results"]}
-    assert set(rows) == {"fp32", "int8-emb", "int8-emb+int8-mlp", "int4-emb", "searched"}
+    assert set(rows) == {
+        "fp32",
+        "int8-emb",
+        "int8-emb+int8-mlp",
+        "int8-emb+int8-mlp+pruned",
+        "int4-emb",
+        "searched",
+    }
     for name, r in rows.items():
         if "skipped" in r:
-            assert name == "int8-emb+int8-mlp"
+            assert name.startswith("int8-emb+int8-mlp")
             assert f"{name}: skipped: " in proc.stdout
             continue
         for key in ("model_bytes", "auc", "ne", "samples_per_s", "latency_ms_p50",
@@ -40,6 +47,8 @@ def test_inference_bench_smoke_reports_every_variant(tmp_path: Path) -> None:
         assert r["bytes_ratio"] == pytest.approx(r["model_bytes"] / rows["fp32"]["model_bytes"])
     assert rows["fp32"]["ne_change_pct"] == 0.0
     assert rows["int4-emb"]["model_bytes"] < rows["int8-emb"]["model_bytes"]
+    pruned, int8 = rows["int8-emb+int8-mlp+pruned"], rows["int8-emb+int8-mlp"]
+    assert pruned["model_bytes"] <= int8["model_bytes"]
     search = rows["searched"]["search"]
     assert search["fits"] == (search["search_ne_pct"] <= search["budget_ne_pct"])
     assert payload["machine"]["cpu"]["model"]

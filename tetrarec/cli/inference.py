@@ -7,6 +7,7 @@ runs, so that ``tetrarec --help`` loads no model code).
 from __future__ import annotations
 
 import argparse
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -141,13 +142,29 @@ def _add_quantize(sub: Any) -> None:
     )
     q.add_argument("--model", required=True, type=Path, help="the model directory to read")
     q.add_argument("--output", type=Path, help="the quantized model directory to write")
-    q.add_argument("--tables", metavar="PRECISION", help="every table's precision (fp16|int8|int4)")
+    q.add_argument(
+        "--tables", metavar="PRECISION",
+        help="every table's precision (fp16|int8|int4; a table it would store larger, such "
+        "as a first-order term's dim-1 table, takes its smallest: FP16)",
+    )  # fmt: skip
     q.add_argument(
         "--table", dest="table", action="append", default=[], type=_table_precision,
         metavar="NAME=PRECISION", help="one table's precision (repeatable; not searched)",
     )  # fmt: skip
     q.add_argument("--mlp", default="fp32", help="the dense layers' format (fp32, bf16, int8)")
-    q.add_argument("--activations", choices=("dynamic", "static"), help="of --mlp int8")
+    q.add_argument(
+        "--activations", choices=("dynamic", "static"),
+        help="of --mlp int8 (default dynamic; static calibrates on the training rows)",
+    )  # fmt: skip
+    q.add_argument(
+        "--calibration-batches", type=at_least_one, default=8, metavar="N",
+        help="with --activations static: batches of --batch-size training rows (default 8)",
+    )  # fmt: skip
+    q.add_argument(
+        "--prune-min-count", type=int, default=0, metavar="K",
+        help="prune the rows each table saw fewer than K times in the training rows (they "
+        "read as zeros; 1: the rows never seen); counted over the run's training data",
+    )  # fmt: skip
     ev = q.add_mutually_exclusive_group()
     ev.add_argument("--eval", nargs="+", metavar="FILE", help="evaluation data files")
     ev.add_argument("--eval-split", action="store_true", help="the run's evaluation split")
@@ -181,6 +198,9 @@ def _quantize(args: argparse.Namespace) -> int:
         plot_report,
         quantize_to_report,
     )
+    from tetrarec.inference.prune import training_dataset
+    from tetrarec.inference.quantize import tables_at
+    from tetrarec.inference.scoring import batches
     from tetrarec.types import Precision
 
     evaluation = _quantize_settings(args)
@@ -203,15 +223,22 @@ def _quantize(args: argparse.Namespace) -> int:
         )
     if args.activations and args.mlp != "int8":
         raise ValueError(f"--activations applies to --mlp int8, not --mlp {args.mlp}")
-    settings = {"activations": args.activations or "dynamic"} if args.mlp == "int8" else {}
+    settings = {"activations": args.activations} if args.activations else {}
     model = load(args.model)
-    tables = (
-        dict.fromkeys(model.table_precisions(), Precision.parse(args.tables)) if args.tables else {}
-    )
+    tables = tables_at(model, Precision.parse(args.tables)) if args.tables else {}
     tables.update({name: Precision.parse(p) for name, p in args.table})
+    calibration = None
+    if args.activations == "static":
+        calibration = list(
+            itertools.islice(
+                batches(training_dataset(model), batch_size=args.batch_size),
+                args.calibration_batches,
+            )
+        )
     out, report = quantize_to_report(
         model, tables=tables, mlp=args.mlp, mlp_settings=settings,
         budget_ne_pct=args.budget_ne, evaluation=evaluation,
+        prune_min_count=args.prune_min_count, calibration=calibration,
     )  # fmt: skip
     save(out, args.output)
     if report is None:

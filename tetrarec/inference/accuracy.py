@@ -38,7 +38,14 @@ from tqdm import tqdm
 
 from tetrarec.data import Dataset, RowRange
 from tetrarec.inference.model import InferenceModel
-from tetrarec.inference.quantize import QuantSpec, quantize_model, quantize_tables
+from tetrarec.inference.prune import count_ids, training_dataset
+from tetrarec.inference.quantize import (
+    LADDER_PRECISIONS,
+    QuantSpec,
+    precision_ladders,
+    quantize_model,
+    quantize_tables,
+)
 from tetrarec.inference.scoring import batches
 from tetrarec.sparse import Batch
 from tetrarec.train.metrics import Metrics, compute_metrics
@@ -53,7 +60,6 @@ __all__ = [
     "SearchResult",
     "Sensitivity",
     "evaluate_spec",
-    "precision_ladders",
     "recheck",
     "reference",
     "search",
@@ -62,7 +68,7 @@ __all__ = [
 ]
 
 #: The precisions the search and the sensitivity consider, widest first.
-SEARCH_PRECISIONS = (Precision.FP32, Precision.FP16, Precision.INT8, Precision.INT4)
+SEARCH_PRECISIONS = LADDER_PRECISIONS  # each table climbs its precision_ladders
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -329,29 +335,6 @@ def _saved(index: Mapping[tuple[str, str], Sensitivity], table: str, p: Precisio
     return 0 if p is Precision.FP32 else index[(table, p.value)].bytes_saved
 
 
-def precision_ladders(model: InferenceModel) -> dict[str, tuple[Precision, ...]]:
-    """``{table: precisions to search, widest first}``: each one stores the table smaller.
-
-    ``SEARCH_PRECISIONS`` in order, keeping only a precision whose rows take fewer bytes
-    than the last one kept: a packed INT8/INT4 row carries 4 bytes of scale and bias
-    (aligned to 4), so on a narrow table it is no smaller than FP16 (a first-order
-    term's dim-1 table: FP32 4 bytes, FP16 2, INT8 and INT4 8) and is never chosen.
-    """
-    out = {}
-    for entry in model.manifest.tables:
-        dim = int(entry["dim"])
-        ladder = [Precision.FP32]
-        for p in SEARCH_PRECISIONS[1:]:
-            if _row_bytes(p, dim) < _row_bytes(ladder[-1], dim):
-                ladder.append(p)
-        out[str(entry["name"])] = tuple(ladder)
-    return out
-
-
-def _row_bytes(precision: Precision, dim: int) -> int:
-    return precision.row_bytes(dim) if precision.is_integer else dim * precision.bits // 8
-
-
 def _raise_one(
     index: Mapping[tuple[str, str], Sensitivity],
     current: Mapping[str, Precision],
@@ -403,6 +386,8 @@ def search(
     fixed: Mapping[str, Precision] | None = None,
     mlp: str = "fp32",
     mlp_settings: Mapping[str, Any] | None = None,
+    prune_min_count: int = 0,
+    prune_counts: Mapping[str, torch.Tensor] | None = None,
     progress: bool = False,
     quantize: Callable[[InferenceModel, QuantSpec], InferenceModel] = quantize_model,
 ) -> SearchResult:
@@ -414,6 +399,9 @@ def search(
         fixed: tables whose precision is given (not searched).
         mlp: the dense format of every model tried (a key of ``DENSE_FORMATS``).
         mlp_settings: its settings (``{"activations": "dynamic"}``).
+        prune_min_count: prune every model tried as ``QuantSpec.prune_min_count`` says
+            (the per-table sensitivities are of unpruned tables).
+        prune_counts: the counts to prune by (``None``: counted once, here).
         progress: progress bars on stderr.
         quantize: how a spec becomes a model (``quantize_model``; a test may wrap it).
 
@@ -431,6 +419,18 @@ def search(
     settings = dict(mlp_settings or {})
     searched = [t for t in ref.model.table_precisions() if t not in fixed]
     ladders = precision_ladders(ref.model)
+    if prune_min_count > 0 and prune_counts is None:
+        prune_counts = count_ids(ref.model, training_dataset(ref.model), progress=progress)
+
+    def spec_of(tables: Mapping[str, Precision]) -> QuantSpec:
+        return QuantSpec(
+            tables=tables,
+            mlp=mlp,
+            mlp_settings=settings,
+            prune_min_count=prune_min_count,
+            prune_counts=prune_counts,
+        )
+
     sens = table_sensitivity(ref, tables=searched, progress=progress)
     index = _sens_index(sens)
     current: dict[str, Precision] = {}
@@ -440,7 +440,7 @@ def search(
     steps: list[dict[str, Any]] = []
 
     def verify(action: str) -> tuple[InferenceModel, Deltas]:
-        spec = QuantSpec(tables={**fixed, **current}, mlp=mlp, mlp_settings=settings)
+        spec = spec_of({**fixed, **current})
         model = quantize(ref.model, spec)
         deltas = ref.measure(model)
         steps.append(
@@ -471,7 +471,7 @@ def search(
     choices = [Choice(table=t, precision=p.value, why="given") for t, p in fixed.items()]
     choices += [Choice(table=t, precision=current[t].value, why=why[t]) for t in searched]
     return SearchResult(
-        spec=QuantSpec(tables={**fixed, **current}, mlp=mlp, mlp_settings=settings),
+        spec=spec_of({**fixed, **current}),
         model=model,
         deltas=deltas,
         fits=deltas.ne_pct <= budget_ne_pct,

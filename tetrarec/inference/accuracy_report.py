@@ -21,6 +21,7 @@ each precision tried (FP32 at 0), with the chosen precision marked.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,8 +38,10 @@ from tetrarec.inference.accuracy import (
     table_bytes,
 )
 from tetrarec.inference.model import InferenceModel, load
+from tetrarec.inference.prune import count_ids, training_dataset
 from tetrarec.inference.quantize import QuantSpec, quantize_model
 from tetrarec.inference.scoring import model_dataset
+from tetrarec.sparse import Batch
 from tetrarec.types import Precision
 
 __all__ = [
@@ -79,6 +82,8 @@ def quantize_to_report(
     mlp_settings: Mapping[str, Any] | None = None,
     budget_ne_pct: float | None = None,
     evaluation: EvalSettings | None = None,
+    prune_min_count: int = 0,
+    calibration: Sequence[Batch] | None = None,
 ) -> tuple[InferenceModel, dict[str, Any] | None]:
     """Quantize ``model``: as given, or searched to a budget; measured when asked.
 
@@ -90,6 +95,9 @@ def quantize_to_report(
         budget_ne_pct: search the other tables' precisions to this NE budget (needs
             ``evaluation``).
         evaluation: the evaluation rows; ``None``: quantize without measuring.
+        prune_min_count: prune rows seen fewer times in the training rows
+            (``QuantSpec.prune_min_count``; counted once).
+        calibration: batches of training rows for static INT8 activations.
 
     Returns:
         The quantized model (with the report in its manifest when measured) and the
@@ -99,10 +107,22 @@ def quantize_to_report(
         ValueError: for a budget without evaluation rows, or as ``quantize_model``.
     """
     settings = dict(mlp_settings or {})
+    quantize = functools.partial(quantize_model, calibration=calibration)
+    counts = None
+    if prune_min_count > 0:
+        progress = evaluation.progress if evaluation is not None else False
+        counts = count_ids(model, training_dataset(model), progress=progress)
+    spec = QuantSpec(
+        tables=tables,
+        mlp=mlp,
+        mlp_settings=settings,
+        prune_min_count=prune_min_count,
+        prune_counts=counts,
+    )
     if evaluation is None:
         if budget_ne_pct is not None:
             raise ValueError("a NE budget needs evaluation rows (--eval FILES or --eval-split)")
-        return quantize_model(model, QuantSpec(tables=tables, mlp=mlp, mlp_settings=settings)), None
+        return quantize(model, spec), None
     ref = reference(
         model,
         model_dataset(model, evaluation.files),
@@ -111,12 +131,12 @@ def quantize_to_report(
         progress=evaluation.progress,
     )
     if budget_ne_pct is None:
-        spec = QuantSpec(tables=tables, mlp=mlp, mlp_settings=settings)
-        result = evaluate_spec(ref, spec, progress=evaluation.progress)
+        result = evaluate_spec(ref, spec, progress=evaluation.progress, quantize=quantize)
     else:
         result = search(
             ref, budget_ne_pct, fixed=tables, mlp=mlp, mlp_settings=settings,
-            progress=evaluation.progress,
+            prune_min_count=prune_min_count, prune_counts=counts,
+            progress=evaluation.progress, quantize=quantize,
         )  # fmt: skip
     report = report_dict(result, eval_rows=ref.num_rows)
     return attach_report(result.model, report), report

@@ -87,7 +87,11 @@ def count_ids(
 
 
 def prune_tables(
-    model: InferenceModel, counts: Mapping[str, torch.Tensor], min_count: int
+    model: InferenceModel,
+    counts: Mapping[str, torch.Tensor],
+    min_count: int,
+    *,
+    row_bytes: Mapping[str, int] | None = None,
 ) -> InferenceModel:
     """``model`` with each counted table's rows seen fewer than ``min_count`` times pruned.
 
@@ -97,6 +101,10 @@ def prune_tables(
             named are left as they are.
         min_count: the fewest times a row must have been seen to be kept (1 drops the
             rows never seen).
+        row_bytes: ``{table: bytes of a row}`` as the table will be stored (after a
+            precision change that follows); default: as stored now. A table is pruned
+            only where that saves bytes: its id map costs 4 bytes per id, more than the
+            rows it drops when few are dropped or the rows are small (a dim-1 table).
 
     Raises:
         ValueError: for a table the model does not have, counts of another length than
@@ -121,7 +129,18 @@ def prune_tables(
                 f"table {name!r}: counts of shape {tuple(c.shape)}, the table answers "
                 f"{ids[name]} ids"
             )
-        pruned = _prune(tensors, name, c.cpu() >= min_count)
+        keep = c.cpu() >= min_count
+        width = (row_bytes or {}).get(name)
+        if width is None:
+            stored = tensors[f"tables.{name}.rows"]
+            width = stored.shape[1] * stored.element_size()
+        kept_now = int(keep.sum()) + 1  # and the zero row
+        if f"tables.{name}.remap" not in tensors and kept_now * width + 4 * ids[name] >= (
+            ids[name] * width
+        ):
+            entries.append(entry)  # the id map would cost more than the rows it drops
+            continue
+        pruned = _prune(tensors, name, keep)
         if pruned is None:
             entries.append(entry)
             continue

@@ -25,16 +25,72 @@ from tetrarec.types import Precision
 
 __all__ = [
     "CHUNK_ROWS",
+    "LADDER_PRECISIONS",
     "TABLE_PRECISIONS",
     "QuantSpec",
     "convert_rows",
+    "precision_ladders",
     "quantize_model",
     "quantize_tables",
+    "tables_at",
 ]
 
 CHUNK_ROWS = 1 << 18
 #: The precisions a table of an exported model may be stored in, widest first.
 TABLE_PRECISIONS = (Precision.FP32, Precision.FP16, Precision.BF16, Precision.INT8, Precision.INT4)
+
+#: The precisions a table steps down through, widest first (BF16 is FP16's size: one of
+#: them is enough, and FP16 keeps more mantissa for embedding values).
+LADDER_PRECISIONS = (Precision.FP32, Precision.FP16, Precision.INT8, Precision.INT4)
+
+
+def precision_ladders(model: InferenceModel) -> dict[str, tuple[Precision, ...]]:
+    """``{table: precisions to search, widest first}``: each one stores the table smaller.
+
+    ``LADDER_PRECISIONS`` in order, keeping only a precision whose rows take fewer bytes
+    than the last one kept: a packed INT8/INT4 row carries 4 bytes of scale and bias
+    (aligned to 4), so on a narrow table it is no smaller than FP16 (a first-order
+    term's dim-1 table: FP32 4 bytes, FP16 2, INT8 and INT4 8) and is never chosen.
+    """
+    out = {}
+    for entry in model.manifest.tables:
+        dim = int(entry["dim"])
+        ladder = [Precision.FP32]
+        for p in LADDER_PRECISIONS[1:]:
+            if _row_bytes(p, dim) < _row_bytes(ladder[-1], dim):
+                ladder.append(p)
+        out[str(entry["name"])] = tuple(ladder)
+    return out
+
+
+def _row_bytes(precision: Precision, dim: int) -> int:
+    return precision.row_bytes(dim) if precision.is_integer else dim * precision.bits // 8
+
+
+def tables_at(model: InferenceModel, precision: Precision) -> dict[str, Precision]:
+    """``{table: precision}`` for every table, unless a wider precision stores it as small.
+
+    Each table gets, of ``precision`` and the wider ones of ``LADDER_PRECISIONS``, the one
+    that stores it in the fewest bytes (the widest on a tie): ``--tables int8`` on a model
+    with a first-order term puts its dim-1 tables in FP16 (2 bytes a row), not INT8 (8
+    bytes: a code, FP16 scale and bias, aligned to 4); a dim-4 table asked for INT8 stays
+    FP16 (8 bytes either way).
+
+    Raises:
+        ValueError: for a precision a table cannot be stored in (FP8).
+    """
+    if precision not in TABLE_PRECISIONS:
+        valid = ", ".join(p.value for p in TABLE_PRECISIONS)
+        raise ValueError(f"{precision.value} is not a table precision; valid: {valid}")
+    level = {p: i for i, p in enumerate(LADDER_PRECISIONS)}
+    level[Precision.BF16] = level[Precision.FP16]
+    wider = [p for p in LADDER_PRECISIONS if level[p] < level[precision]]
+    out = {}
+    for entry in model.manifest.tables:
+        dim = int(entry["dim"])
+        choices = [*wider, precision]
+        out[str(entry["name"])] = min(choices, key=lambda p: (_row_bytes(p, dim), level[p]))
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,7 +144,12 @@ def quantize_model(
         counts = spec.prune_counts
         if counts is None:
             counts = count_ids(model, training_dataset(model))
-        out = prune_tables(out, counts, spec.prune_min_count)
+        now = out.table_precisions()
+        dims = {str(e["name"]): int(e["dim"]) for e in out.manifest.tables}
+        row_bytes = {
+            name: _row_bytes(spec.tables.get(name, p), dims[name]) for name, p in now.items()
+        }
+        out = prune_tables(out, counts, spec.prune_min_count, row_bytes=row_bytes)
     out = quantize_tables(out, spec.tables) if spec.tables else out
     dense = DENSE_FORMATS[spec.mlp].complete_settings(
         out.module, {**spec.mlp_settings, "precision": spec.mlp}, calibration

@@ -20,7 +20,6 @@ from tetrarec.inference import InferenceModel, load, save
 from tetrarec.inference.accuracy import (
     Deltas,
     Reference,
-    precision_ladders,
     recheck,
     reference,
     search,
@@ -33,7 +32,7 @@ from tetrarec.inference.accuracy_report import (
     report_dict,
 )
 from tetrarec.inference.export import export_checkpoint
-from tetrarec.inference.quantize import quantize_tables
+from tetrarec.inference.quantize import precision_ladders, quantize_tables
 from tetrarec.inference.scoring import model_dataset
 from tetrarec.train import train
 from tetrarec.train.metrics import compute_metrics

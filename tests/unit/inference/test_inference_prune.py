@@ -69,7 +69,9 @@ def test_pruned_ids_pool_to_zero_and_kept_ids_pool_as_before(
     """Catches a remap off by one (kept ids reading their neighbour's row), a zero row
     that is not zero, or rows moved by decoding and re-encoding."""
     base = quantize_tables(model, {"C1": precision})
-    pruned = prune_tables(base, counts, min_count)
+    # row_bytes: prune even where the id map costs more than the rows it drops (small
+    # INT4 rows), so that every precision's remap is tested
+    pruned = prune_tables(base, counts, min_count, row_bytes={"C1": 1 << 10})
     c1 = counts["C1"]
     ids = list(range(c1.numel()))
     sf = _one_id_bags(model, "C1", ids)
@@ -83,6 +85,19 @@ def test_pruned_ids_pool_to_zero_and_kept_ids_pool_as_before(
     assert entry["stored_rows"] == int(kept.sum()) + 1
     assert pruned.embeddings.remap("C1") is not None
     assert pruned.embeddings.table_rows("C1").shape[0] == int(kept.sum()) + 1
+
+
+def test_a_table_is_pruned_only_where_that_saves_bytes(model: InferenceModel) -> None:
+    """Catches pruning that makes a model larger (found in review: a benchmark's pruned
+    model was bigger than the unpruned one): the int32 id map costs 4 bytes per id, so
+    dropping half the rows of 8-byte rows saves nothing, while dropping them from
+    1 KiB rows does."""
+    half = (torch.arange(100) % 2).to(torch.int64)  # every other id never seen
+    small = prune_tables(model, {"C1": half}, 1, row_bytes={"C1": 8})
+    assert small.embeddings.remap("C1") is None
+    large = prune_tables(model, {"C1": half}, 1, row_bytes={"C1": 1024})
+    assert large.embeddings.remap("C1") is not None
+    assert large.embeddings.table_rows("C1").shape[0] == 51  # 50 kept + the zero row
 
 
 def test_a_table_with_nothing_to_prune_stays_unpruned(model: InferenceModel) -> None:

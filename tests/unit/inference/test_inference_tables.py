@@ -9,6 +9,8 @@ weights (divided by the bag length for mean pooling).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ from tetrarec.inference.embeddings import (
     TORCH_FASTER,
     InferenceEmbeddingBags,
 )
-from tetrarec.inference.quantize import convert_rows
+from tetrarec.inference.quantize import convert_rows, tables_at
 from tetrarec.sparse import SparseFeatures
 from tetrarec.types import PoolingMode, Precision
 
@@ -200,3 +202,25 @@ def test_an_id_outside_its_table_is_named_with_its_feature(backend, feature, bad
     bad[feature][1].append(bad_id)
     with pytest.raises(ValueError, match=rf"feature '{feature}': id {bad_id} is outside"):
         bags(SparseFeatures.from_lists(bad))
+
+
+def _fake_model(dims: dict[str, int]) -> object:
+    manifest = dataclasses.make_dataclass("M", [("tables", list)])(
+        [{"name": n, "dim": d} for n, d in dims.items()]
+    )
+    return dataclasses.make_dataclass("Model", [("manifest", object)])(manifest)
+
+
+def test_tables_at_never_stores_a_table_larger_than_a_wider_precision_would() -> None:
+    """Bugs caught: ``--tables int8`` storing a first-order term's dim-1 table in 8-byte
+    INT8 rows (twice its FP32 bytes), a dim-4 table in INT8 when FP16 takes the same
+    8 bytes at more precision, or an explicit BF16 ask turned into something else."""
+    fake = _fake_model({"fo": 1, "narrow": 4, "wide": 16})
+    at = tables_at(fake, Precision.INT8)  # type: ignore[arg-type]
+    assert at == {"fo": Precision.FP16, "narrow": Precision.FP16, "wide": Precision.INT8}
+    at = tables_at(fake, Precision.INT4)  # type: ignore[arg-type]
+    assert at == {"fo": Precision.FP16, "narrow": Precision.FP16, "wide": Precision.INT4}
+    assert set(tables_at(fake, Precision.BF16).values()) == {Precision.BF16}  # type: ignore[arg-type]
+    assert set(tables_at(fake, Precision.FP32).values()) == {Precision.FP32}  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fp8 is not a table precision"):
+        tables_at(fake, Precision.FP8)  # type: ignore[arg-type]
