@@ -161,9 +161,16 @@ class InferenceEmbeddingBags(nn.Module):
 
     @property
     def lookup_paths(self) -> dict[Precision, str]:
-        """``{precision: "tetrarec" | "torch"}``: which kernel pools each precision's tables."""
+        """``{precision: "tetrarec" | "torch"}``: which kernel pools each precision's tables.
+
+        (PyTorch's quantized bags are CPU kernels: on another device every table runs
+        tetrarec's portable path.)
+        """
         backend = BACKENDS[self.backend]
-        return {t.precision: backend.path(t.precision) for t in self.tables}
+        on_cpu = self.storage(0).device.type == "cpu" if self._stores else True
+        return {
+            t.precision: backend.path(t.precision) if on_cpu else "tetrarec" for t in self.tables
+        }
 
     def nbytes(self) -> int:
         """Bytes of every stored row and id map."""
@@ -353,9 +360,14 @@ class LookupBackend:
         weights: torch.Tensor | None,
         out: torch.Tensor,
     ) -> None:
-        """Pool every feature into ``out``."""
-        _tetrarec_stores(module, values, lengths, weights, out, self.torch_precisions)
-        _torch_tables(module, values, lengths, weights, out, self.torch_precisions)
+        """Pool every feature into ``out``.
+
+        PyTorch's quantized bags have CPU kernels only: on another device (CUDA) every
+        table runs tetrarec's kernel (its portable path there).
+        """
+        on_torch = self.torch_precisions if values.device.type == "cpu" else frozenset()
+        _tetrarec_stores(module, values, lengths, weights, out, on_torch)
+        _torch_tables(module, values, lengths, weights, out, on_torch)
 
 
 #: The precisions whose PyTorch bags measured faster than tetrarec's kernel at batch
