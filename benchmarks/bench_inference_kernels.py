@@ -17,10 +17,18 @@ each variant's median time, and its ratio to the baseline of the same round:
   Shapes: 26 tables x 20k rows x dim 64, pooling 20 (the synthetic cache benchmark's),
   and 26 tables x 100k rows x dim 16, pooling 1 (Criteo-like). Ratio: time / tetrarec's.
 
+- **interaction**: the dot interaction at batch ``--batch``, one call on ``(B, D)`` and
+  ``(B, F*D)``: ``tetrarec::dot_interaction`` (FP32, the training kernel) against
+  ``tetrarec::dot_interaction_bf16`` (BF16 products, FP32 sums: the lower dense
+  formats'). Shapes: F = 26 features (27 rows with the bottom output) at D = 64 (the
+  synthetic model) and D = 16 (the Criteo sample model). Ratio: time / FP32's; the
+  error column is the largest difference from FP32 over the largest FP32 output.
+
 Prints the CPU (its AVX2 / AVX-512 / VNNI / AMX flags), torch's quantized engine and
 which path ran; ``--json`` writes every row.
 
     python benchmarks/bench_inference_kernels.py [--smoke] [--json out.json]
+        [--only dense|tables|interaction] [--threads N]
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ from tetrarec.inference.quantized_mlp import (
     QuantInt8MLP,
     quantize_weights,
 )
+from tetrarec.kernels import ops
 from tetrarec.models import MLP
 from tetrarec.models.precision import has_native_bf16
 from tetrarec.sparse import SparseFeatures
@@ -150,6 +159,42 @@ def dense_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+# (name, F, D)
+INTERACTION_SHAPES = [("synthetic F26 d64", 26, 64), ("criteo F26 d16", 26, 16)]
+SMOKE_INTERACTION_SHAPES = [("tiny F3 d8", 3, 8)]
+
+
+def interaction_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The interaction measurement (see the module docstring)."""
+    shapes = SMOKE_INTERACTION_SHAPES if args.smoke else INTERACTION_SHAPES
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for name, features, dim in shapes:
+        x = torch.randn(args.batch, dim, generator=gen)
+        e = torch.randn(args.batch, features * dim, generator=gen)
+        variants = {
+            "fp32": lambda x=x, e=e: ops.dot_interaction(x, e),
+            "bf16": lambda x=x, e=e: ops.dot_interaction_bf16(x, e),
+        }
+        with torch.inference_mode():
+            ref = variants["fp32"]()
+            err = {k: float((f() - ref).abs().max() / ref.abs().max()) for k, f in variants.items()}
+            times = _rounds(variants, rounds=args.rounds, iters=args.iters)
+        for impl, (ms, ratio) in _summarize(times, "fp32").items():
+            rows.append(
+                {
+                    "kind": "interaction",
+                    "shape": name,
+                    "batch": args.batch,
+                    "impl": impl,
+                    "ms": ms,
+                    "ratio_to_fp32": ratio,
+                    "rel_err": err[impl],
+                }
+            )
+    return rows
+
+
 def _features(
     tables: list[TableConfig], batch: int, pooling: int, gen: torch.Generator
 ) -> SparseFeatures:
@@ -219,23 +264,41 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=2048)
     p.add_argument("--rounds", type=int, default=5, help="alternated rounds")
     p.add_argument("--iters", type=int, default=10, help="timed calls per variant and round")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    p.add_argument(
+        "--only",
+        choices=("dense", "tables", "interaction"),
+        default=None,
+        help="run one measurement only",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.batch, args.rounds, args.iters = 64, 1, 2
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    def wanted(kind: str) -> bool:
+        return args.only in (None, kind)
+
     with unwind_on_signals("bench_inference_kernels"):
-        dense = dense_rows(args)
-        tables = table_rows(args)
+        dense = dense_rows(args) if wanted("dense") else []
+        tables = table_rows(args) if wanted("tables") else []
+        interaction = interaction_rows(args) if wanted("interaction") else []
     print(describe_run())
     engine = torch.backends.quantized.engine
     print(f"torch {torch.__version__}, quantized engine: {engine}, ", end="")
     print(f"threads: {torch.get_num_threads()}, batch {args.batch}, {args.rounds} rounds")
-    print()
-    print_table(dense, ["shape", "impl", "path", "ms", "ratio_to_fp32", "max_abs_err"])
-    print()
-    print_table(tables, ["shape", "precision", "impl", "path", "ms", "ratio_to_tetrarec"])
+    for rows, columns in (
+        (dense, ["shape", "impl", "path", "ms", "ratio_to_fp32", "max_abs_err"]),
+        (tables, ["shape", "precision", "impl", "path", "ms", "ratio_to_tetrarec"]),
+        (interaction, ["shape", "impl", "ms", "ratio_to_fp32", "rel_err"]),
+    ):
+        if rows:  # --only leaves the others empty
+            print()
+            print_table(rows, columns)
     config = {"batch": args.batch, "rounds": args.rounds, "iters": args.iters}
     config["quantized_engine"] = torch.backends.quantized.engine
-    write_json(args.json, config, dense + tables)
+    write_json(args.json, config, dense + tables + interaction)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ scores exactly as the training run evaluated.
 ``bf16`` and ``int8`` store the bottom and top MLPs (``dense_arch``, ``over_arch``)
 lower and swap them for ``tetrarec.inference.quantized_mlp``'s modules (same call);
 every other dense parameter (the DCN cross layers, a first-order term's dense weight)
-stays FP32 and runs in the model's own code, as does the dot interaction:
+stays FP32 and runs in the model's own code:
 
 - ``bf16``: ``dense.<mlp>.layers.<i>.weight`` / ``.bias`` in BF16 (half the bytes),
   run in BF16 (settings: ``matmul``: ``auto`` | ``native`` | ``emulated``);
@@ -21,7 +21,14 @@ stays FP32 and runs in the model's own code, as does the dot interaction:
   ``static``, and for ``static`` the calibrated ``qparams`` ``{mlp: [[scale, zero
   point], ...]}``.
 
-In both, the top MLP's logit layer (-> 1) stays FP32 (``dense.over_arch.layers.<last>``).
+In both, the top MLP's logit layer (-> 1) stays FP32 (``dense.over_arch.layers.<last>``),
+and the dot interaction (``inter_arch``) is swapped for
+``tetrarec.inference.quantized_interaction.QuantBF16DotInteraction`` (BF16 products,
+FP32 sums: ~2.7-4.9x faster than the FP32 kernel at batch 2048 on an AVX512_BF16 CPU);
+it has no parameters, so nothing more is stored. Setting ``interaction``: ``bf16`` (the
+default for a dot interaction) or ``fp32`` (the model's own); a DCN model's cross layers
+have no BF16 version and get ``fp32``. A model file written before this setting existed
+has none and loads with the default, so it runs the BF16 interaction.
 
 A format's ``complete_settings`` runs once, when a model is quantized: it checks the
 requested settings, fills in defaults and calibrates (static INT8) on the batches given.
@@ -35,6 +42,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from tetrarec.inference.quantized_interaction import INTERACTION_PRECISIONS, bf16_interaction
 from tetrarec.inference.quantized_mlp import (
     ACTIVATION_MODES,
     ActivationQParams,
@@ -47,6 +55,7 @@ from tetrarec.inference.quantized_mlp import (
     mlp_weights,
 )
 from tetrarec.models import DLRM
+from tetrarec.models.interaction import Interaction
 from tetrarec.models.precision import BF16Matmul
 from tetrarec.sparse import Batch
 
@@ -141,6 +150,37 @@ def _other_parameters(model: DLRM) -> dict[str, torch.Tensor]:
     return {n: t for n, t in dense_parameters(model).items() if not n.startswith(mlps)}
 
 
+def _interaction(model: DLRM, settings: Mapping[str, Any]) -> str:
+    """The ``interaction`` setting of a lower format: given, or the model's default.
+
+    Raises:
+        ValueError: for an unknown value, or ``bf16`` for an interaction without a BF16
+            version (DCN).
+    """
+    has_bf16 = bf16_interaction(model.inter_arch) is not None
+    value = settings.get("interaction")
+    if value is None:
+        return "bf16" if has_bf16 else "fp32"
+    if value not in INTERACTION_PRECISIONS:
+        raise ValueError(
+            f"unknown dense setting interaction={value!r}; valid: {list(INTERACTION_PRECISIONS)}"
+        )
+    if value == "bf16" and not has_bf16:
+        raise ValueError(
+            f"dense setting interaction='bf16': the model's {type(model.inter_arch).__name__} "
+            "has no BF16 version (only the dot interaction has); use 'fp32'"
+        )
+    return str(value)
+
+
+def _load_interaction(model: DLRM, settings: Mapping[str, Any]) -> None:
+    """Swap ``model``'s interaction for its BF16 version where the settings say so."""
+    if _interaction(model, settings) == "bf16":
+        swapped = bf16_interaction(model.inter_arch)
+        assert isinstance(swapped, Interaction)  # _interaction checked that one exists
+        model.inter_arch = swapped
+
+
 class _FP32:
     """Every dense parameter as trained, run by the model's own modules."""
 
@@ -212,14 +252,14 @@ def _is_fp32(shape: MLPWeights, i: int) -> bool:
 
 
 class _BF16:
-    """The MLPs' weights in BF16, run in BF16 (``QuantBF16MLP``); the logit layer FP32."""
+    """BF16 MLPs (``QuantBF16MLP``, logit layer FP32), BF16 dot-interaction products."""
 
     def complete_settings(
         self, model: DLRM, settings: Mapping[str, Any], calibration: Iterable[Batch] | None
     ) -> dict[str, Any]:
-        _check_keys(settings, ("matmul",))
+        _check_keys(settings, ("matmul", "interaction"))
         matmul = BF16Matmul.parse(settings.get("matmul", BF16Matmul.AUTO.value))
-        return {**settings, "matmul": matmul.value}
+        return {**settings, "matmul": matmul.value, "interaction": _interaction(model, settings)}
 
     def save(self, model: DLRM, settings: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         out = {DENSE_PREFIX + n: t.float() for n, t in _other_parameters(model).items()}
@@ -235,6 +275,7 @@ class _BF16:
         self, model: DLRM, tensors: Mapping[str, torch.Tensor], settings: Mapping[str, Any]
     ) -> None:
         _load_others(model, tensors)
+        _load_interaction(model, settings)
         matmul = BF16Matmul.parse(str(settings.get("matmul", BF16Matmul.AUTO.value)))
 
         def stored(shape: MLPWeights, i: int) -> dict[str, torch.Tensor]:
@@ -254,18 +295,22 @@ class _BF16:
 
 
 class _Int8:
-    """The MLPs' weights in INT8 (``QuantInt8MLP``), activations dynamic or static."""
+    """INT8 MLPs (``QuantInt8MLP``, dynamic or static), BF16 dot-interaction products."""
 
     def complete_settings(
         self, model: DLRM, settings: Mapping[str, Any], calibration: Iterable[Batch] | None
     ) -> dict[str, Any]:
-        _check_keys(settings, ("activations", "qparams"))
+        _check_keys(settings, ("activations", "qparams", "interaction"))
         mode = settings.get("activations", DEFAULT_INT8_ACTIVATIONS)
         if mode not in ACTIVATION_MODES:
             raise ValueError(
                 f"unknown INT8 activation mode {mode!r}; valid: {sorted(ACTIVATION_MODES)}"
             )
-        out = {"precision": settings["precision"], "activations": mode}
+        out = {
+            "precision": settings["precision"],
+            "activations": mode,
+            "interaction": _interaction(model, settings),
+        }
         if mode == "static":
             out["qparams"] = _calibrate(model, calibration)
         return out
@@ -287,6 +332,7 @@ class _Int8:
         self, model: DLRM, tensors: Mapping[str, torch.Tensor], settings: Mapping[str, Any]
     ) -> None:
         _load_others(model, tensors)
+        _load_interaction(model, settings)
         mode = str(settings.get("activations"))
         qparams = settings.get("qparams") or {}
 

@@ -9,8 +9,9 @@ tracing, fake tensors, other devices and autograd go through the op itself
 (``_<name>_op``).
 
 The ops: ``tbe_forward``, ``tbe_backward_update`` and ``tbe_row_gradient_shares``
-(table-batched embedding), two of the dense path, ``dot_interaction``
-(differentiable) and ``round_to_bf16_out`` (the BF16 emulation's rounding), which use
+(table-batched embedding), three of the dense path, ``dot_interaction``
+(differentiable), ``dot_interaction_bf16`` (inference: BF16 products, FP32 sums; no
+gradient) and ``round_to_bf16_out`` (the BF16 emulation's rounding), which use
 the compiled kernel for contiguous FP32 tensors only, and ``copy_row_runs`` (how
 sharded collections move column blocks; any dtype), and ``load_rows`` / ``store_rows``
 (rows decoded from / encoded into a row store by index: the mixed-precision cache's
@@ -52,6 +53,7 @@ from tetrarec.kernels._build import compiled_cpu_kernels
 __all__ = [
     "copy_row_runs",
     "dot_interaction",
+    "dot_interaction_bf16",
     "load_rows",
     "round_to_bf16_out",
     "store_rows",
@@ -447,6 +449,43 @@ def _dot_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch
 _dot_interaction_op.register_autograd(_dot_backward, setup_context=_dot_setup_context)
 
 
+@torch.library.custom_op("tetrarec::dot_interaction_bf16", mutates_args=())
+def _dot_interaction_bf16_op(dense: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+    """``dot_interaction``'s output with BF16 products: for inference (no gradient).
+
+    The rows ``C = (dense, e_0, ..., e_{F-1})`` are rounded to BF16 and their pairwise
+    products summed in FP32; ``dense`` is copied out as it is. The portable path
+    (``reference.dot_interaction_bf16_forward``) is the definition; the compiled CPU
+    kernel (``_mm512_dpbf16_ps`` where the CPU has AVX512_BF16) sums the same exact
+    products in another order, within the bound stated there, and treats FP32
+    subnormal inputs (``|x| < 2^-126``) as zero.
+
+    Args:
+        dense: ``(B, D)`` bottom-MLP output, FP32.
+        embeddings: ``(B, F*D)`` pooled embeddings, feature-major per sample, FP32.
+
+    Returns:
+        ``(B, D + F(F+1)/2)`` FP32.
+    """
+    return reference.dot_interaction_bf16_forward(dense, embeddings)
+
+
+@_dot_interaction_bf16_op.register_kernel("cpu")
+def _dot_interaction_bf16_cpu(dense: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+    ext = _compiled_dense_kernels(dense, embeddings)
+    if ext is None:
+        return reference.dot_interaction_bf16_forward(dense, embeddings)
+    out: torch.Tensor = ext.dot_interaction_bf16_forward(dense, embeddings, True)
+    return out
+
+
+@_dot_interaction_bf16_op.register_fake
+def _dot_interaction_bf16_fake(dense: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+    b, d = dense.shape
+    n = embeddings.shape[1] // d + 1
+    return dense.new_empty(b, d + n * (n - 1) // 2, dtype=torch.float32)
+
+
 # -- BF16 rounding (the dense path's BF16 emulation) ---------------------------------------
 
 
@@ -644,6 +683,7 @@ dot_interaction = _eager_cpu_path(_dot_interaction_op, _dot_interaction_cpu)
 dot_interaction_backward = _eager_cpu_path(
     _dot_interaction_backward_op, _dot_interaction_backward_cpu
 )
+dot_interaction_bf16 = _eager_cpu_path(_dot_interaction_bf16_op, _dot_interaction_bf16_cpu)
 round_to_bf16_out = _eager_cpu_path(_round_to_bf16_out_op, _round_to_bf16_out_cpu, mutates=("out",))
 copy_row_runs = _eager_cpu_path(_copy_row_runs_op, _copy_row_runs_cpu, mutates=("dst",))
 load_rows = _eager_cpu_path(_load_rows_op, _load_rows_cpu, mutates=("dst",))

@@ -28,6 +28,7 @@ from tetrarec.types import OptimizerKind, Precision
 __all__ = [
     "backward_update",
     "dot_interaction_backward",
+    "dot_interaction_bf16_forward",
     "dot_interaction_forward",
     "load_rows",
     "pooled_forward",
@@ -466,6 +467,57 @@ def dot_interaction_backward(
     sym = padded.index_select(1, sym_gather).view(b, n, n)
     grad_c = torch.bmm(sym, combined)  # (B, n, D)
     return grad_out[:, :d] + grad_c[:, 0], grad_c[:, 1:].reshape(b, (n - 1) * d)
+
+
+#: Samples per step of ``dot_interaction_bf16_forward`` (bounds its (chunk, P, D) products).
+_BF16_CHUNK = 128
+
+
+def dot_interaction_bf16_forward(dense: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+    """The BF16 dot interaction's definition: ``[dense | <C_i, C_j> for i > j]``, FP32.
+
+    The rows ``C = (dense, e_0, ..., e_{F-1})`` are rounded to BF16 (nearest, ties to
+    even); each product of two BF16 values is exact in FP32; a pair's ``D`` products
+    are summed in FP32 in a fixed pairwise tree (padded with zeros to a power of two,
+    the first half added to the second until one term is left), the same on every
+    device. ``dense`` is copied out unrounded. Inputs of any float dtype are read as
+    FP32; the result is FP32.
+
+    A compiled kernel sums the same exact products in another order, so it may differ
+    from this by ``(D + log2 D + 2) * 2^-24 * sum_k |p_k|`` per output (each sum is
+    within ``gamma_m * sum |p_k|`` of the exact one, ``m`` its longest chain of roundings).
+
+    Raises:
+        ValueError: if ``embeddings`` is not ``(B, F*D)`` for ``dense`` ``(B, D)``.
+    """
+    if (
+        dense.dim() != 2
+        or embeddings.dim() != 2
+        or embeddings.shape[0] != dense.shape[0]
+        or dense.shape[1] == 0
+        or embeddings.shape[1] % dense.shape[1]
+    ):
+        raise ValueError(
+            f"dot_interaction_bf16: embeddings must be (B, F*D) for dense (B, D), got "
+            f"{tuple(embeddings.shape)} and {tuple(dense.shape)}"
+        )
+    x, e = dense.float(), embeddings.float()
+    combined = _stack_rows(x, e).to(torch.bfloat16).float()  # (B, n, D)
+    b, n, d = combined.shape
+    width = 1 << max(d - 1, 0).bit_length()  # D padded to a power of two
+    pairs, _ = _pair_maps(n, dense.device)
+    rows, cols = pairs // n, pairs % n
+    out = x.new_empty(b, d + pairs.numel())
+    out[:, :d] = x
+    for s0 in range(0, b, _BF16_CHUNK):
+        c = combined[s0 : s0 + _BF16_CHUNK]
+        prods = c.new_zeros(c.shape[0], pairs.numel(), width)  # (chunk, P, width)
+        prods[..., :d] = c[:, rows] * c[:, cols]  # exact: 8-bit by 8-bit significands
+        while prods.shape[-1] > 1:
+            half = prods.shape[-1] // 2
+            prods = prods[..., :half] + prods[..., half:]
+        out[s0 : s0 + _BF16_CHUNK, d:] = prods[..., 0]
+    return out
 
 
 # -- rows between FP32 buffers and row stores (the mixed-precision cache) ------------------

@@ -14,7 +14,10 @@ from tetrarec.inference import ModelFileError, load, save
 from tetrarec.inference.dense import DENSE_FORMATS
 from tetrarec.inference.model import InferenceModel
 from tetrarec.inference.quantize import QuantSpec, quantize_model
+from tetrarec.inference.quantized_interaction import QuantBF16DotInteraction
 from tetrarec.inference.quantized_mlp import QuantBF16MLP, QuantInt8MLP
+from tetrarec.kernels import reference
+from tetrarec.models.interaction import DotInteraction
 
 FORMATS: list[tuple[str, dict[str, Any]]] = [
     ("fp32", {}),
@@ -193,3 +196,71 @@ def test_a_model_file_with_an_unknown_activation_mode_is_a_model_file_error(
 def test_every_registered_format_is_tested() -> None:
     """Catches a format added to DENSE_FORMATS without a round-trip case here."""
     assert {name for name, _ in FORMATS} == set(DENSE_FORMATS)
+
+
+# -- the BF16 dot interaction of the lower formats --------------------------------------
+
+
+@pytest.mark.parametrize("mlp", ["bf16", "int8"])
+def test_lower_formats_run_the_bf16_dot_interaction_and_record_it(
+    fp32_model: InferenceModel, mlp: str
+) -> None:
+    """Catches a lower format that keeps the FP32 interaction (the batch-scoring
+    speed-up lost), forgets to record it in the manifest, or stores tensors for it."""
+    q = _quantized(fp32_model, mlp, {}, None)
+    assert isinstance(q.module.inter_arch, QuantBF16DotInteraction)
+    assert q.manifest.dense["interaction"] == "bf16"
+    fp32_interaction = _quantized(fp32_model, mlp, {"interaction": "fp32"}, None)
+    assert isinstance(fp32_interaction.module.inter_arch, DotInteraction)
+    assert set(q.tensors()) == set(fp32_interaction.tensors())
+
+
+def test_bf16_interaction_is_the_op_on_the_models_own_inputs(fp32_model: InferenceModel) -> None:
+    """Catches a swapped interaction built for another F or D, or one that rounds the
+    bottom-MLP output it passes through (the first D columns must be exact)."""
+    inter = _quantized(fp32_model, "int8", {}, None).module.inter_arch
+    fp32 = fp32_model.module.inter_arch
+    assert (inter.num_features, inter.dim, inter.out_features) == (
+        fp32.num_features,
+        fp32.dim,
+        fp32.out_features,
+    )
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, fp32.dim, generator=gen)
+    e = torch.randn(5, fp32.num_features * fp32.dim, generator=gen)
+    out = inter(x, e)
+    # the op's compiled kernel sums in another order than its definition: FP32 rounding
+    torch.testing.assert_close(out, reference.dot_interaction_bf16_forward(x, e))
+    assert torch.equal(out[:, : fp32.dim], x)
+    # against FP32: BF16 rounding of both rows, 8 significant bits each
+    torch.testing.assert_close(out, fp32(x, e), rtol=2e-2, atol=2e-2 * fp32.dim)
+
+
+def test_an_int8_model_file_without_the_interaction_setting_runs_the_bf16_one(
+    tmp_path: Path, fp32_model: InferenceModel
+) -> None:
+    """Catches model files written before the setting existed failing to load, or
+    loading with the FP32 interaction (their scoring would not speed up)."""
+    q = _quantized(fp32_model, "int8", {}, None)
+    old = {k: v for k, v in q.manifest.dense.items() if k != "interaction"}
+    loaded = InferenceModel.from_parts(dataclasses.replace(q.manifest, dense=old), q.tensors())
+    assert isinstance(loaded.module.inter_arch, QuantBF16DotInteraction)
+    save(loaded, tmp_path / "m")
+    assert isinstance(load(tmp_path / "m").module.inter_arch, QuantBF16DotInteraction)
+
+
+def test_dcn_keeps_its_cross_layers_and_records_fp32() -> None:
+    """Catches a DCN model's cross layers swapped for a dot interaction (wrong width,
+    wrong model) or a manifest claiming a BF16 interaction that does not run."""
+    model = tiny_model(first_order=True, arch="dcn")
+    q = _quantized(model, "int8", {}, None)
+    assert type(q.module.inter_arch) is type(model.module.inter_arch)
+    assert q.manifest.dense["interaction"] == "fp32"
+    with pytest.raises(ValueError, match=r"interaction='bf16'.*has no BF16 version"):
+        _quantized(model, "int8", {"interaction": "bf16"}, None)
+
+
+def test_unknown_interaction_setting_is_a_clear_error(fp32_model: InferenceModel) -> None:
+    """Catches a misspelt interaction setting running as the default."""
+    with pytest.raises(ValueError, match=r"unknown dense setting interaction='bf8'; valid"):
+        _quantized(fp32_model, "bf16", {"interaction": "bf8"}, None)

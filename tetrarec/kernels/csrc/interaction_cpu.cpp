@@ -12,6 +12,19 @@
 // stacked (B, n, D) tensor. Every sum runs in a fixed order inside one sample, one fused
 // multiply-add per term (AVX2 + FMA, or std::fma elsewhere: the same results), so the
 // results are bitwise the same for any thread count.
+//
+// BF16 forward (inference, no backward): the same layout, the products of the rows
+// rounded to BF16 (nearest, ties to even), each product exact in FP32, summed in FP32.
+// With AVX512_BF16 each sample's rows are converted to BF16 pairs (k, k+1) in 32-bit
+// lanes and C^T is formed in that layout, so that one _mm512_dpbf16_ps adds two terms of
+// 16 dot products (a 64-term dot is 32 instructions instead of 64 FMAs over half-width
+// registers); elsewhere the rows are rounded and go through the FP32 blocks above. Both
+// add a dot's D exact terms in one chain, k ascending (the AVX512_BF16 path two per
+// instruction, in the hardware's order within the pair): at most D roundings, the same
+// for any thread count. They differ from the portable definition (reference.py: a
+// pairwise tree over k) by that reordering only. The AVX512_BF16 instructions treat FP32
+// subnormal inputs and partial sums as zero (DAZ/FTZ, |x| < 2^-126); the portable path
+// does not.
 #include "check.h"
 #include "interaction_cpu.h"
 
@@ -19,10 +32,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if (defined(__AVX2__) && defined(__FMA__)) || defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
@@ -215,6 +229,239 @@ std::tuple<at::Tensor, at::Tensor> dot_interaction_backward(
     }
   });
   return {grad_dense, grad_emb};
+}
+
+// ---- BF16 forward -----------------------------------------------------------------------
+
+namespace {
+
+inline float round_bf16(float x) {  // nearest BF16 value, ties to even; NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+  u = nan ? ((u | 0x00400000u) & 0xFFFF0000u) : ((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
+// Any CPU: the rows rounded to BF16 (kept in FP32: every product of two is exact), then
+// the FP32 forward's blocks: k ascending, one FMA per term.
+void bf16_forward_rounded(const float* x, const float* e, float* o, int64_t B, int64_t D,
+                          int64_t n) {
+  const int64_t P = n * (n - 1) / 2;
+  const int64_t ld = round_up(n, kLanes);
+  at::parallel_for(0, B, 16, [&](int64_t b0, int64_t b1) {
+    std::vector<float> ct(D * ld, 0.0f), rows((n + 1) * D, 0.0f);  // row n: zeros
+    float acc[kRows * 2 * kLanes];
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* xb = x + b * D;
+      const float* eb = e + b * (n - 1) * D;
+      float* ob = o + b * (D + P);
+      std::memcpy(ob, xb, D * sizeof(float));
+      for (int64_t k = 0; k < D; ++k) rows[k] = round_bf16(xb[k]);
+      for (int64_t k = 0; k < (n - 1) * D; ++k) rows[D + k] = round_bf16(eb[k]);
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t k = 0; k < D; ++k) ct[k * ld + j] = rows[j * D + k];
+      float* pairs = ob + D;
+      for (int64_t i0 = 1; i0 < n; i0 += kRows) {
+        const float* a[kRows];
+        for (int64_t r = 0; r < kRows; ++r) a[r] = rows.data() + std::min(i0 + r, n) * D;
+        const int64_t cols = round_up(std::min(i0 + kRows - 1, n), kLanes);
+        for (int64_t j0 = 0; j0 < cols; j0 += 2 * kLanes) {
+          const int64_t w = std::min<int64_t>(2 * kLanes, cols - j0);
+          if (w == 2 * kLanes) {
+            gram_block<2>(a, ct.data() + j0, ld, D, acc);
+          } else {
+            gram_block<1>(a, ct.data() + j0, ld, D, acc);
+          }
+          for (int64_t r = 0; r < kRows && i0 + r < n; ++r) {
+            const int64_t i = i0 + r;
+            for (int64_t j = j0; j < std::min(i, j0 + w); ++j)
+              pairs[i * (i - 1) / 2 + j] = acc[r * w + (j - j0)];
+          }
+        }
+      }
+    }
+  });
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+constexpr int64_t kBLanes = 16;  // FP32 lanes of a zmm: 16 dot products per instruction
+
+// 32 floats of a row from src (n < 32 of them: zero-padded) as 16 lanes of BF16 pairs.
+inline __m512i bf16_pairs(const float* src, int64_t n) {
+  if (n >= 32)
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+  const __mmask16 lo = static_cast<__mmask16>((1u << std::min<int64_t>(n, 16)) - 1);
+  const __mmask16 hi = static_cast<__mmask16>(n > 16 ? (1u << (n - 16)) - 1 : 0);
+  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, src + 16),
+                                      _mm512_maskz_loadu_ps(lo, src));
+}
+
+// In-register transpose of a 16 x 16 block of 32-bit lanes: r[c] becomes column c.
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + c], 128-bit lane L: column 4L + c, rows 4i..4i+3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int k = 0; k < 4; ++k) {
+      t[8 * i + k] = _mm512_shuffle_i32x4(r[8 * i + k], r[8 * i + k + 4], 0x88);
+      t[8 * i + k + 4] = _mm512_shuffle_i32x4(r[8 * i + k], r[8 * i + k + 4], 0xdd);
+    }
+  }
+  for (int k = 0; k < 8; ++k) {
+    r[k] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0x88);
+    r[k + 8] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0xdd);
+  }
+}
+
+// One sample's C^T in BF16 pairs: ct[kp*ld + j] = (C_j[2kp], C_j[2kp+1]), columns j >= n
+// zero. Rows converted 16 at a time and transposed in registers.
+inline void transposed_bf16_pairs(const float* xb, const float* eb, int64_t D, int64_t n,
+                                  int64_t ld, uint32_t* ct) {
+  const int64_t KP = (D + 1) / 2;
+  for (int64_t j0 = 0; j0 < n; j0 += kBLanes) {
+    for (int64_t kp0 = 0; kp0 < KP; kp0 += kBLanes) {
+      __m512i r[16];
+      for (int64_t q = 0; q < kBLanes; ++q) {
+        const int64_t j = j0 + q;
+        const float* row = j == 0 ? xb : eb + (j - 1) * D;
+        r[q] = j < n ? bf16_pairs(row + 2 * kp0, D - 2 * kp0) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (int64_t q = 0; q < std::min<int64_t>(kBLanes, KP - kp0); ++q)
+        _mm512_storeu_si512(ct + (kp0 + q) * ld + j0, r[q]);
+    }
+  }
+}
+
+// s[r][v] = sum_kp dot2(a[r] + kp*ld, ct[kp*ld + 16v .. 16v+15]) for R rows whose pairs
+// sit in column a[r] of ct: each lane adds its two terms per instruction, kp ascending.
+// The accumulators are named variables, not an array: GCC 12 kept an array of 8 or 16
+// zmm in memory and stored (and reloaded) accumulators on every iteration.
+#define TETRAREC_BF16_ROW(r)                                                      \
+  if constexpr (r < R) {                                                          \
+    const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r][kp * ld])); \
+    s##r##0 = _mm512_dpbf16_ps(s##r##0, x, c0);                                   \
+    if constexpr (NV == 2) s##r##1 = _mm512_dpbf16_ps(s##r##1, x, c1);            \
+  }
+template <int R, int NV>
+inline void gram_block_bf16(const uint32_t* const* a, const uint32_t* ct, int64_t ld,
+                            int64_t KP, __m512* out) {
+  static_assert(R <= 8 && NV <= 2, "at most 8 rows of 2 vectors");
+  const __m512 z = _mm512_setzero_ps();
+  __m512 s00 = z, s01 = z, s10 = z, s11 = z, s20 = z, s21 = z, s30 = z, s31 = z;
+  __m512 s40 = z, s41 = z, s50 = z, s51 = z, s60 = z, s61 = z, s70 = z, s71 = z;
+  for (int64_t kp = 0; kp < KP; ++kp) {
+    const __m512bh c0 = (__m512bh)_mm512_loadu_si512(ct + kp * ld);
+    const __m512bh c1 =
+        NV == 2 ? (__m512bh)_mm512_loadu_si512(ct + kp * ld + kBLanes) : c0;
+    TETRAREC_BF16_ROW(0)
+    TETRAREC_BF16_ROW(1)
+    TETRAREC_BF16_ROW(2)
+    TETRAREC_BF16_ROW(3)
+    TETRAREC_BF16_ROW(4)
+    TETRAREC_BF16_ROW(5)
+    TETRAREC_BF16_ROW(6)
+    TETRAREC_BF16_ROW(7)
+  }
+  const __m512 all[16] = {s00, s01, s10, s11, s20, s21, s30, s31,
+                          s40, s41, s50, s51, s60, s61, s70, s71};
+  for (int i = 0; i < 2 * R; ++i) out[i] = all[i];
+}
+#undef TETRAREC_BF16_ROW
+
+void bf16_forward_native(const float* x, const float* e, float* o, int64_t B, int64_t D,
+                         int64_t n) {
+  const int64_t P = n * (n - 1) / 2;
+  const int64_t KP = (D + 1) / 2;
+  const int64_t ld = round_up(n + 1, kBLanes);  // column n (and on) stays zero
+  at::parallel_for(0, B, 16, [&](int64_t b0, int64_t b1) {
+    std::vector<uint32_t> ct(KP * ld, 0u);
+    __m512 s[8 * 2];
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* xb = x + b * D;
+      const float* eb = e + b * (n - 1) * D;
+      float* ob = o + b * (D + P);
+      if (b + 1 < b1) {  // the next sample's rows: its loads would wait on memory
+        const char* next = reinterpret_cast<const char*>(eb + (n - 1) * D);
+        for (int64_t k = 0; k < (n - 1) * D * 4; k += 64) _mm_prefetch(next + k, _MM_HINT_T0);
+        const char* next_x = reinterpret_cast<const char*>(xb + D);
+        for (int64_t k = 0; k < D * 4; k += 64) _mm_prefetch(next_x + k, _MM_HINT_T0);
+      }
+      std::memcpy(ob, xb, D * sizeof(float));
+      transposed_bf16_pairs(xb, eb, D, n, ld, ct.data());
+      float* pairs = ob + D;
+      // Groups of 8 rows (8 or 16 accumulators: enough independent chains to hide the
+      // instruction's latency), 4 for a short last group.
+      for (int64_t i0 = 1; i0 < n;) {
+        const int64_t R = n - i0 > 4 ? 8 : 4;
+        const uint32_t* a[8];
+        for (int64_t r = 0; r < R; ++r) a[r] = ct.data() + std::min(i0 + r, n);
+        const int64_t last = std::min(i0 + R - 1, n - 1);  // rows i0..last need j < i
+        for (int64_t j0 = 0; j0 < last; j0 += 2 * kBLanes) {
+          const int nv = last - j0 > kBLanes ? 2 : 1;
+          const uint32_t* c = ct.data() + j0;
+          if (R == 8) {
+            if (nv == 2) gram_block_bf16<8, 2>(a, c, ld, KP, s);
+            else gram_block_bf16<8, 1>(a, c, ld, KP, s);
+          } else {
+            if (nv == 2) gram_block_bf16<4, 2>(a, c, ld, KP, s);
+            else gram_block_bf16<4, 1>(a, c, ld, KP, s);
+          }
+          for (int64_t r = 0; r < R && i0 + r < n; ++r) {
+            const int64_t i = i0 + r;
+            for (int v = 0; v < nv; ++v) {
+              const int64_t j = j0 + v * kBLanes, cnt = std::min<int64_t>(i - j, kBLanes);
+              if (cnt <= 0) break;
+              const __mmask16 m = static_cast<__mmask16>((1u << cnt) - 1);
+              _mm512_mask_storeu_ps(pairs + i * (i - 1) / 2 + j, m, s[r * 2 + v]);
+            }
+          }
+        }
+        i0 += R;
+      }
+    }
+  });
+}
+#endif
+
+}  // namespace
+
+bool dot_interaction_bf16_native() {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor dot_interaction_bf16_forward(const at::Tensor& dense, const at::Tensor& embeddings,
+                                        bool native) {
+  check_inputs(dense, embeddings);
+  const int64_t B = dense.size(0), D = dense.size(1);
+  const int64_t n = embeddings.size(1) / D + 1;
+  at::Tensor out = at::empty({B, D + n * (n - 1) / 2}, dense.options());
+  const float* x = dense.data_ptr<float>();
+  const float* e = embeddings.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if (native) {
+    bf16_forward_native(x, e, o, B, D, n);
+    return out;
+  }
+#endif
+  (void)native;
+  bf16_forward_rounded(x, e, o, B, D, n);
+  return out;
 }
 
 }  // namespace tetrarec

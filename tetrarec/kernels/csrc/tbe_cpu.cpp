@@ -783,6 +783,9 @@ std::map<std::string, std::string> build_info() {
 #if defined(__AVX2__) && defined(__FMA__)
   paths += "dot interaction: AVX2+FMA 8-lane; ";
 #endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  paths += "bf16 dot interaction: AVX512_BF16 dpbf16; ";
+#endif
   paths += "other loops: auto-vectorized";
   return {{"isa", isa.empty() ? "generic" : isa},
           {"vector_paths", paths},
@@ -803,6 +806,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "DLRM dot interaction forward (CPU)");
   m.def("dot_interaction_backward", &tetrarec::dot_interaction_backward,
         "DLRM dot interaction backward (CPU)");
+  m.def("dot_interaction_bf16_forward", &tetrarec::dot_interaction_bf16_forward,
+        "DLRM dot interaction forward, BF16 products, FP32 sums (CPU)");
+  m.def("dot_interaction_bf16_native", &tetrarec::dot_interaction_bf16_native,
+        "whether the BF16 dot interaction has its AVX512_BF16 kernel in this build");
   m.def("round_to_bf16_out", &tetrarec::round_to_bf16_out,
         "FP32 rounded to the nearest BF16 value, in FP32 (CPU)");
   m.def("copy_row_runs", &tetrarec::copy_row_runs,
