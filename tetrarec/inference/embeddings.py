@@ -16,11 +16,12 @@ Lookups run through a backend of ``BACKENDS`` (a registry, the only dispatch):
 
 - ``tetrarec``: the compiled table-batched kernel ``tetrarec::tbe_forward`` (or its
   portable PyTorch path), one call per precision for all of its tables;
-- ``torch``: PyTorch's own row-wise quantized embedding bags
+- ``torch``: PyTorch's own bags: the row-wise quantized ones
   (``quantized::embedding_bag_byte_rowwise_offsets`` and ``..._4bit_...``, FBGEMM's
-  CPU kernels inside PyTorch) for INT8/INT4 tables (a copy of their rows in PyTorch's
-  layout is made on first use), tetrarec's kernel for float ones (PyTorch has no
-  FP16/BF16 bag that accumulates in FP32);
+  CPU kernels inside PyTorch) for INT8/INT4 tables, ``F.embedding_bag`` for FP32 ones,
+  tetrarec's kernel for FP16/BF16 (PyTorch has no such bag that sums in FP32). Each run
+  of consecutive features whose tables share a precision, dim and pooling is one call
+  on their stacked rows (a copy in PyTorch's layout, made on first use);
 - ``auto`` (the default): per precision, the path that measured faster
   (``TORCH_FASTER``, from ``benchmarks/bench_inference_kernels.py``).
 
@@ -31,11 +32,13 @@ tables take.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tetrarec.embedding import TableConfig, TableSlice, feature_order
@@ -294,6 +297,81 @@ def _tetrarec_stores(
             )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class _Run:
+    """Consecutive features (key-major) whose tables PyTorch pools in one call.
+
+    Their tables share a precision, a dim and a pooling; ``table_rows`` is the stacked
+    rows of the run's distinct tables (in PyTorch's layout) and ``row_offsets`` each
+    feature's first row in it.
+    """
+
+    first: int  # first feature of the run
+    stop: int  # one past its last
+    col: int  # its first output column
+    dim: int
+    precision: Precision
+    mean: bool
+    key: str  # the stacked rows' cache key
+    tables: tuple[str, ...]  # each feature's table
+
+
+def _torch_runs(module: InferenceEmbeddingBags, precisions: frozenset[Precision]) -> list[_Run]:
+    """The runs of consecutive features whose tables run on PyTorch (built once)."""
+    cache: dict[frozenset[Precision], list[_Run]] = module.__dict__.setdefault("_runs", {})
+    if precisions in cache:
+        return cache[precisions]
+    table_of = {f: t for t in module.tables for f in t.feature_names}
+    runs: list[_Run] = []
+    col = 0
+    for f, name in enumerate(module.feature_names):
+        t = table_of[name]
+        kind = (t.precision, t.dim, t.pooling)
+        last = runs[-1] if runs else None
+        if t.precision in precisions:
+            if (
+                last is not None
+                and last.stop == f
+                and (
+                    (last.precision, last.dim, PoolingMode.MEAN if last.mean else PoolingMode.SUM)
+                    == kind
+                )
+            ):
+                runs[-1] = dataclasses.replace(last, stop=f + 1, tables=(*last.tables, t.name))
+            else:
+                runs.append(
+                    _Run(
+                        first=f, stop=f + 1, col=col, dim=t.dim, precision=t.precision,
+                        mean=t.pooling is PoolingMode.MEAN, key="", tables=(t.name,),
+                    )
+                )  # fmt: skip
+        col += t.dim
+    runs = [dataclasses.replace(r, key="|".join(dict.fromkeys(r.tables))) for r in runs]
+    cache[precisions] = runs
+    return runs
+
+
+def _run_rows(
+    module: InferenceEmbeddingBags, run: _Run, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(stacked rows, (features,) first row of each feature's table)``, built once."""
+    cache: dict[tuple[str, torch.device], tuple[torch.Tensor, torch.Tensor]]
+    cache = module.__dict__.setdefault("_torch_rows", {})
+    if (run.key, device) not in cache:
+        distinct = list(dict.fromkeys(run.tables))
+        parts, first, n = [], {}, 0
+        for name in distinct:
+            rows = module.table_rows(name)
+            if run.precision.is_integer:
+                rows = torch_packed_rows(rows, run.precision, run.dim)
+            parts.append(rows)
+            first[name] = n
+            n += rows.shape[0]
+        offsets = torch.tensor([first[t] for t in run.tables], dtype=torch.int64, device=device)
+        cache[(run.key, device)] = (torch.cat(parts).to(device), offsets)
+    return cache[(run.key, device)]
+
+
 def _torch_tables(
     module: InferenceEmbeddingBags,
     values: torch.Tensor,
@@ -302,46 +380,76 @@ def _torch_tables(
     out: torch.Tensor,
     precisions: frozenset[Precision],
 ) -> None:
-    """PyTorch's row-wise quantized bags for every feature of a table in ``precisions``."""
-    if not any(t.precision in precisions for t in module.tables):
+    """PyTorch's bags for every feature of a table in ``precisions``: one call per run.
+
+    A run of consecutive features with tables of one precision, dim and pooling is one
+    call on their stacked rows (ids shifted to their table's first row), its output
+    ``(features * B, D)`` written into ``out``'s columns by one copy.
+    """
+    runs = _torch_runs(module, precisions)
+    if not runs:
         return
-    cache: dict[str, torch.Tensor] = module.__dict__.setdefault("_torch_rows", {})
     batch = out.shape[0]
-    # One cumsum for every feature's bags; feature f's are offsets[f*B : (f+1)*B + 1],
-    # shifted to its own ids (PyTorch's INT4 bag wants its last offset = its ids' count).
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=values.device)
     torch.cumsum(lengths, 0, out=offsets[1:])
     starts = offsets[::batch].tolist()  # (F + 1,): one host sync
-    ids = values.long()
-    psw = None if weights is None else weights.float()
-    col = 0
-    for f, name in enumerate(module.feature_names):
-        t = next(t for t in module.tables if name in t.feature_names)
-        if t.precision in precisions:
-            key = f"{t.name}@{values.device}"
-            if key not in cache:
-                rows = module.table_rows(t.name)
-                cache[key] = torch_packed_rows(rows, t.precision, t.dim).to(values.device)
-            op = getattr(torch.ops.quantized, _TORCH_QUANT_OPS[t.precision])
-            lo, hi = starts[f], starts[f + 1]
-            bags = offsets[f * batch : (f + 1) * batch + 1] - lo
-            w = None if psw is None else psw[lo:hi]
-            # mode 0 (sum): PyTorch's quantized bags ignore mode=1 and sum anyway (torch
-            # 2.13), so a mean is the sum divided here by the bag length, as tetrarec's.
-            pooled = op(cache[key], ids[lo:hi], bags, False, 0, False, w, None, True)
-            if t.pooling is PoolingMode.MEAN:
-                lens = lengths[f * batch : (f + 1) * batch]
-                pooled = pooled / lens.clamp(min=1).to(pooled.dtype)[:, None]
-            out[:, col : col + t.dim] = pooled
-        col += t.dim
+    counts = lengths.view(-1, batch).sum(1)  # (F,)
+    for run in runs:
+        rows, first_rows = _run_rows(module, run, values.device)
+        lo, hi = starts[run.first], starts[run.stop]
+        ids = values[lo:hi].long() + first_rows.repeat_interleave(
+            counts[run.first : run.stop], output_size=hi - lo
+        )
+        bags = offsets[run.first * batch : run.stop * batch + 1] - lo
+        w = None if weights is None else weights[lo:hi].float()
+        pooled = _POOL[run.precision](rows, ids, bags, w)  # (features * B, D)
+        if run.mean:
+            lens = lengths[run.first * batch : run.stop * batch]
+            pooled = pooled / lens.clamp(min=1).to(pooled.dtype)[:, None]
+        n = run.stop - run.first
+        block = out[:, run.col : run.col + n * run.dim].view(batch, n, run.dim)
+        block.copy_(pooled.view(n, batch, run.dim).transpose(0, 1))
+
+
+def _pool_fp32(
+    rows: torch.Tensor, ids: torch.Tensor, bags: torch.Tensor, w: torch.Tensor | None
+) -> torch.Tensor:
+    return F.embedding_bag(
+        ids, rows, bags, mode="sum", per_sample_weights=w, include_last_offset=True
+    )
+
+
+def _quantized_pool(
+    op: str,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    def pool(
+        rows: torch.Tensor, ids: torch.Tensor, bags: torch.Tensor, w: torch.Tensor | None
+    ) -> torch.Tensor:
+        # mode 0 (sum): PyTorch's quantized bags ignore mode=1 and sum anyway (torch
+        # 2.13); a mean is the sum divided by the bag length (_torch_tables).
+        out: torch.Tensor = getattr(torch.ops.quantized, op)(
+            rows, ids, bags, False, 0, False, w, None, True
+        )
+        return out
+
+    return pool
+
+
+#: How PyTorch pools a run of each precision (FP32: ``F.embedding_bag``; INT8/INT4: its
+#: row-wise quantized bags, FBGEMM's CPU kernels).
+_POOL = {
+    Precision.FP32: _pool_fp32,
+    **{p: _quantized_pool(op) for p, op in _TORCH_QUANT_OPS.items()},
+}
 
 
 @dataclass(frozen=True)
 class LookupBackend:
     """A lookup path per precision: PyTorch's bags for ``torch_precisions``, else tetrarec's.
 
-    ``torch_precisions`` is a subset of INT8 and INT4 (PyTorch has no other row-wise
-    bag); every other precision runs tetrarec's kernel. Called as
+    ``torch_precisions`` is a subset of FP32 (``F.embedding_bag``), INT8 and INT4
+    (PyTorch's row-wise quantized bags; it has no FP16/BF16 bag that sums in FP32);
+    every other precision runs tetrarec's kernel. Called as
     ``backend(module, key-major ids, lengths, per-id weights or None, out (B, sum D))``:
     fills ``out`` with every feature's pooled rows.
     """
@@ -371,15 +479,17 @@ class LookupBackend:
 
 
 #: The precisions whose PyTorch bags measured faster than tetrarec's kernel at batch
-#: 2048 on both shapes of ``benchmarks/bench_inference_kernels.py`` (see
-#: benchmarks/results/inference_kernels.md); ``auto`` runs those on PyTorch's ops.
-TORCH_FASTER: frozenset[Precision] = frozenset({Precision.INT8})
+#: 2048 (``benchmarks/bench_inference_kernels.py``, results in
+#: benchmarks/results/inference_kernels.md): INT8 and INT4 (0.65x and 0.45x of
+#: tetrarec's time at 26 x 20k, dim 16, pooling 1; 0.94x and 0.29x at dim 64), not FP32
+#: (1.13x, 1.85x). ``auto`` runs those on PyTorch's ops.
+TORCH_FASTER: frozenset[Precision] = frozenset({Precision.INT8, Precision.INT4})
 
 
 #: The lookup backends, by name (the only dispatch on them).
 BACKENDS: dict[str, LookupBackend] = {
     "tetrarec": LookupBackend(frozenset()),
-    "torch": LookupBackend(frozenset(_TORCH_QUANT_OPS)),
+    "torch": LookupBackend(frozenset(_POOL)),
     "auto": LookupBackend(TORCH_FASTER),
 }
 #: The backend a model loads with: the faster path per precision, as measured.

@@ -119,7 +119,7 @@ def test_quantized_tables_pool_within_each_rows_bound_of_fp32(
 @pytest.mark.parametrize("pooling", [PoolingMode.SUM, PoolingMode.MEAN])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("pruned", [False, True])
-@pytest.mark.parametrize("precision", [Precision.INT8, Precision.INT4])
+@pytest.mark.parametrize("precision", [Precision.FP32, Precision.INT8, Precision.INT4])
 def test_both_lookup_paths_give_the_same_sums(
     precision: Precision, weighted: bool, pooling: PoolingMode, pruned: bool
 ) -> None:
@@ -224,3 +224,43 @@ def test_tables_at_never_stores_a_table_larger_than_a_wider_precision_would() ->
     assert set(tables_at(fake, Precision.FP32).values()) == {Precision.FP32}  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="fp8 is not a table precision"):
         tables_at(fake, Precision.FP8)  # type: ignore[arg-type]
+
+
+def test_the_torch_path_pools_runs_of_mixed_tables_as_tetrarecs_kernel() -> None:
+    """Bugs caught in the grouped PyTorch path (one call per run of consecutive features
+    whose tables share precision, dim and pooling): a run that spans a feature of another
+    precision or dim, a shared table's rows stacked twice or its second feature shifted
+    to the wrong rows, a run's output written to another run's columns."""
+    specs = [  # name, rows, dim, precision, features
+        ("a", 30, 8, Precision.INT8, ("a1", "a2")),  # a table shared by two features
+        ("b", 20, 8, Precision.INT8, ("b",)),  # the same kind: one run a1 a2 b
+        ("c", 25, 4, Precision.INT8, ("c",)),  # another dim: a run of its own
+        ("d", 10, 8, Precision.FP16, ("d",)),  # tetrarec's kernel, between runs
+        ("e", 15, 8, Precision.INT4, ("e",)),
+        ("f", 12, 8, Precision.FP32, ("f",)),
+    ]
+    gen = torch.Generator().manual_seed(0)
+    tables, stored = [], {}
+    for name, rows, dim, precision, features in specs:
+        tables.append(
+            TableConfig(
+                name=name, num_embeddings=rows, dim=dim, precision=precision,
+                feature_names=features,
+            )
+        )  # fmt: skip
+        fp32 = torch.randn(rows, dim, generator=gen)
+        stored[name] = convert_rows(fp32, Precision.FP32, precision, dim)
+    ids = {f: t.num_embeddings for t in tables for f in t.feature_names}
+    bags = {
+        f: [
+            torch.randint(0, n, (int(k),), generator=gen).tolist()
+            for k in torch.randint(0, 4, (9,), generator=gen)
+        ]
+        for f, n in ids.items()
+    }
+    features = SparseFeatures.from_lists(bags)
+    out = {
+        b: InferenceEmbeddingBags(tables, stored, backend=b)(features).values
+        for b in ("tetrarec", "torch")
+    }
+    torch.testing.assert_close(out["torch"], out["tetrarec"], rtol=1e-5, atol=1e-5)
