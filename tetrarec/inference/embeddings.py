@@ -169,10 +169,10 @@ class InferenceEmbeddingBags(nn.Module):
         (PyTorch's quantized bags are CPU kernels: on another device every table runs
         tetrarec's portable path.)
         """
-        backend = BACKENDS[self.backend]
-        on_cpu = self.storage(0).device.type == "cpu" if self._stores else True
+        device = self.storage(0).device if self._stores else torch.device("cpu")
+        on_torch = BACKENDS[self.backend].on_torch(self, device)
         return {
-            t.precision: backend.path(t.precision) if on_cpu else "tetrarec" for t in self.tables
+            t.precision: "torch" if t.precision in on_torch else "tetrarec" for t in self.tables
         }
 
     def nbytes(self) -> int:
@@ -456,6 +456,21 @@ class LookupBackend:
 
     torch_precisions: frozenset[Precision]
 
+    def on_torch(
+        self, module: InferenceEmbeddingBags, device: torch.device
+    ) -> frozenset[Precision]:
+        """The precisions whose tables PyTorch pools in ``module`` on ``device``.
+
+        None off the CPU (PyTorch's quantized bags are CPU kernels), and a precision
+        only where PyTorch takes every one of its tables: its 4-bit bag reads an odd
+        dim as one more column, so a module with an odd-dim INT4 table (a first-order
+        term's dim-1 table) pools its INT4 tables with tetrarec's kernel.
+        """
+        if device.type != "cpu":
+            return frozenset()
+        odd_int4 = any(t.precision is Precision.INT4 and t.dim % 2 for t in module.tables)
+        return self.torch_precisions - ({Precision.INT4} if odd_int4 else set())
+
     def path(self, precision: Precision) -> str:
         """``"torch"`` or ``"tetrarec"``: which kernel pools tables of ``precision``."""
         return "torch" if precision in self.torch_precisions else "tetrarec"
@@ -473,7 +488,7 @@ class LookupBackend:
         PyTorch's quantized bags have CPU kernels only: on another device (CUDA) every
         table runs tetrarec's kernel (its portable path there).
         """
-        on_torch = self.torch_precisions if values.device.type == "cpu" else frozenset()
+        on_torch = self.on_torch(module, values.device)
         _tetrarec_stores(module, values, lengths, weights, out, on_torch)
         _torch_tables(module, values, lengths, weights, out, on_torch)
 

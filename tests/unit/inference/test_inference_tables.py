@@ -264,3 +264,27 @@ def test_the_torch_path_pools_runs_of_mixed_tables_as_tetrarecs_kernel() -> None
         for b in ("tetrarec", "torch")
     }
     torch.testing.assert_close(out["torch"], out["tetrarec"], rtol=1e-5, atol=1e-5)
+
+
+def test_an_odd_dim_int4_table_pools_with_tetrarecs_kernel() -> None:
+    """Bug caught on a GPU run's CPU side: PyTorch's 4-bit bag reads an odd dim as one
+    more column (a first-order term's dim-1 INT4 table came back (B, 2) and broke the
+    output's shape), so a module with one pools its INT4 tables with tetrarec's kernel;
+    INT8 odd dims are fine on PyTorch's byte bag."""
+    tables = [
+        TableConfig(name="odd", num_embeddings=9, dim=1, precision=Precision.INT4),
+        TableConfig(name="even", num_embeddings=9, dim=4, precision=Precision.INT4),
+        TableConfig(name="odd8", num_embeddings=9, dim=3, precision=Precision.INT8),
+    ]
+    gen = torch.Generator().manual_seed(1)
+    stored = {
+        t.name: convert_rows(
+            torch.randn(9, t.dim, generator=gen), Precision.FP32, t.precision, t.dim
+        )
+        for t in tables
+    }
+    bags = InferenceEmbeddingBags(tables, stored, backend="auto")
+    assert bags.lookup_paths == {Precision.INT4: "tetrarec", Precision.INT8: "torch"}
+    features = SparseFeatures.from_lists({t.name: [[1, 2], [8]] for t in tables})
+    want = InferenceEmbeddingBags(tables, stored, backend="tetrarec")(features).values
+    torch.testing.assert_close(bags(features).values, want, rtol=1e-6, atol=1e-6)
