@@ -236,16 +236,38 @@ class InferenceEmbeddingBags(nn.Module):
         check_ids(name, values[first : first + 1], int(rows[feature]))
 
     def _remap_ids(self, values: torch.Tensor, per_feature: torch.Tensor) -> torch.Tensor:
-        """``values`` with each pruned table's ids replaced by their stored rows."""
-        starts = [0, *per_feature.cumsum(0).tolist()]
-        table_of = {f: t.name for t in self.tables for f in t.feature_names}
-        mapped = values.to(torch.int64, copy=True)
-        for f, name in enumerate(self.feature_names):
-            remap = self.remap(table_of[name])
-            if remap is not None:
-                lo, hi = starts[f], starts[f + 1]
-                mapped[lo:hi] = remap[values[lo:hi].long()].long()
-        return mapped
+        """``values`` with each pruned table's ids replaced by their stored rows.
+
+        A few passes over the ids, no host sync: the pruned features' id maps stand end to
+        end in one tensor (``_joint_remap``), each value indexes it at its feature's base.
+        """
+        joint, base, pruned = self._joint_remap(values.device)
+        feature = torch.arange(len(self.feature_names), device=values.device)
+        feature = feature.repeat_interleave(per_feature, output_size=values.numel())
+        mask = pruned[feature]
+        index = torch.where(mask, values.long() + base[feature], 0)
+        return torch.where(mask, joint[index], values.long())
+
+    def _joint_remap(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(id maps end to end (int64), (F,) each feature's base in it, (F,) pruned?)``."""
+        cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+        cache = self.__dict__.setdefault("_joint_cache", {})
+        if device not in cache:
+            table_of = {f: t.name for t in self.tables for f in t.feature_names}
+            maps, base, pruned, n = [], [], [], 0
+            for name in self.feature_names:
+                remap = self.remap(table_of[name])
+                base.append(n)
+                pruned.append(remap is not None)
+                if remap is not None:
+                    maps.append(remap.long())
+                    n += remap.numel()
+            cache[device] = (
+                torch.cat(maps).to(device),
+                torch.tensor(base, dtype=torch.int64, device=device),
+                torch.tensor(pruned, dtype=torch.bool, device=device),
+            )
+        return cache[device]
 
     def _apply(self, fn: Any, recurse: bool = True) -> InferenceEmbeddingBags:
         """Moves apply; casts leave each table at its stored dtype (as the fused module)."""
