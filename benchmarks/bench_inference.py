@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import itertools
 import logging
 import os
 import shutil
@@ -58,7 +60,7 @@ from tetrarec.inference.dense import DENSE_FORMATS
 from tetrarec.inference.export import export_checkpoint
 from tetrarec.inference.prune import count_ids, training_dataset
 from tetrarec.inference.quantize import QuantSpec, quantize_model, quantize_tables, tables_at
-from tetrarec.inference.scoring import model_dataset
+from tetrarec.inference.scoring import batches, model_dataset
 from tetrarec.train import train
 from tetrarec.types import Precision
 
@@ -66,6 +68,7 @@ VARIANTS = (
     "fp32",
     "int8-emb",
     "int8-emb+int8-mlp",
+    "int8-emb+int8-mlp-dynamic",
     "int8-emb+int8-mlp+pruned",
     "int4-emb",
     "searched",
@@ -151,21 +154,30 @@ def variants(
     }
     skipped = {}
     has_int8_mlp = "int8" in DENSE_FORMATS
+    # INT8 activations as `tetrarec quantize` does them by default: static, calibrated on
+    # batches of training rows (a row's score then does not depend on its batch), and the
+    # dynamic ones (per batch, no calibration data) beside them.
+    calibration = list(itertools.islice(batches(training_dataset(model), batch_size=2048), 8))
+    static = {"activations": "static"}
     if has_int8_mlp:
-        spec = QuantSpec(tables=int8, mlp="int8", mlp_settings={"activations": "dynamic"})
-        out["int8-emb+int8-mlp"] = quantize_model(model, spec)
+        spec = QuantSpec(tables=int8, mlp="int8", mlp_settings=static)
+        out["int8-emb+int8-mlp"] = quantize_model(model, spec, calibration=calibration)
+        dynamic = dataclasses.replace(spec, mlp_settings={"activations": "dynamic"})
+        out["int8-emb+int8-mlp-dynamic"] = quantize_model(model, dynamic)
         # ... and the rows no training row touched pruned (they read as zeros).
         counts = count_ids(model, training_dataset(model))
         pruned = dataclasses.replace(spec, prune_min_count=1, prune_counts=counts)
-        out["int8-emb+int8-mlp+pruned"] = quantize_model(model, pruned)
+        out["int8-emb+int8-mlp+pruned"] = quantize_model(model, pruned, calibration=calibration)
     else:
-        for name in ("int8-emb+int8-mlp", "int8-emb+int8-mlp+pruned"):
-            skipped[name] = (
-                f"no INT8 dense format in this tree (DENSE_FORMATS: {sorted(DENSE_FORMATS)})"
-            )
+        for name in VARIANTS:
+            if name.startswith("int8-emb+int8-mlp"):
+                skipped[name] = (
+                    f"no INT8 dense format in this tree (DENSE_FORMATS: {sorted(DENSE_FORMATS)})"
+                )
     mlp = "int8" if has_int8_mlp else "fp32"
-    settings = {"activations": "dynamic"} if has_int8_mlp else {}
-    found = search(ref, args.budget_ne, mlp=mlp, mlp_settings=settings)
+    settings = static if has_int8_mlp else {}
+    quantize = functools.partial(quantize_model, calibration=calibration)
+    found = search(ref, args.budget_ne, mlp=mlp, mlp_settings=settings, quantize=quantize)
     out["searched"] = found.model
     summary = {
         "budget_ne_pct": args.budget_ne,

@@ -32,6 +32,7 @@ def test_inference_bench_smoke_reports_every_variant(tmp_path: Path) -> None:
         "fp32",
         "int8-emb",
         "int8-emb+int8-mlp",
+        "int8-emb+int8-mlp-dynamic",
         "int8-emb+int8-mlp+pruned",
         "int4-emb",
         "searched",

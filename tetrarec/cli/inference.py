@@ -154,7 +154,9 @@ def _add_quantize(sub: Any) -> None:
     q.add_argument("--mlp", default="fp32", help="the dense layers' format (fp32, bf16, int8)")
     q.add_argument(
         "--activations", choices=("dynamic", "static"),
-        help="of --mlp int8 (default dynamic; static calibrates on the training rows)",
+        help="of --mlp int8: static (the default) calibrates the ranges on batches of the "
+        "run's training rows, so a row's score does not depend on its batch; dynamic "
+        "quantizes per batch and needs no data",
     )  # fmt: skip
     q.add_argument(
         "--calibration-batches", type=at_least_one, default=8, metavar="N",
@@ -223,17 +225,22 @@ def _quantize(args: argparse.Namespace) -> int:
         )
     if args.activations and args.mlp != "int8":
         raise ValueError(f"--activations applies to --mlp int8, not --mlp {args.mlp}")
-    settings = {"activations": args.activations} if args.activations else {}
+    activations = args.activations or ("static" if args.mlp == "int8" else None)
+    settings = {"activations": activations} if activations else {}
     model = load(args.model)
     tables = tables_at(model, Precision.parse(args.tables)) if args.tables else {}
     tables.update({name: Precision.parse(p) for name, p in args.table})
     calibration = None
-    if args.activations == "static":
+    if activations == "static":
+        try:
+            rows = training_dataset(model)
+        except (ValueError, FileNotFoundError) as e:  # DataError is a ValueError
+            raise ValueError(
+                f"static INT8 activations calibrate on the run's training rows, which cannot "
+                f"be read ({e}); give --activations dynamic (no calibration data)"
+            ) from e
         calibration = list(
-            itertools.islice(
-                batches(training_dataset(model), batch_size=args.batch_size),
-                args.calibration_batches,
-            )
+            itertools.islice(batches(rows, batch_size=args.batch_size), args.calibration_batches)
         )
     out, report = quantize_to_report(
         model, tables=tables, mlp=args.mlp, mlp_settings=settings,

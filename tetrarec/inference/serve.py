@@ -323,6 +323,13 @@ def create_app(model: InferenceModel, settings: ServeSettings) -> Starlette:
     """
     reader = RowReader.for_model(model, max_rows=settings.max_rows)
     batcher = Batcher(_scorer(model, reader), settings)
+    if settings.batching and model.manifest.dense.get("activations") == "dynamic":
+        logger.warning(
+            "the model's INT8 MLP quantizes its activations per batch (dynamic): with "
+            "batching a row's score moves slightly with the requests it is batched with; "
+            "quantize with --activations static (ranges calibrated on training rows) for "
+            "scores that do not depend on the traffic"
+        )
     content_hash = str(model.manifest.content_hash or "")
     precisions = ",".join(sorted({p.value for p in model.table_precisions().values()}))
     metrics = ServeMetrics(

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tetrarec.cli import main
 from tetrarec.config import RunConfig
@@ -33,7 +34,7 @@ from tetrarec.inference.accuracy_report import (
 )
 from tetrarec.inference.export import export_checkpoint
 from tetrarec.inference.quantize import precision_ladders, quantize_tables
-from tetrarec.inference.scoring import model_dataset
+from tetrarec.inference.scoring import batches, model_dataset
 from tetrarec.train import train
 from tetrarec.train.metrics import compute_metrics
 from tetrarec.types import Precision
@@ -300,3 +301,23 @@ def test_the_search_never_picks_a_precision_that_stores_a_table_larger() -> None
     assert ladders["C1_first_order"] == (Precision.FP32, Precision.FP16)
     assert ladders["narrow"] == (Precision.FP32, Precision.FP16)
     assert ladders["wide"] == (Precision.FP32, Precision.FP16, Precision.INT8, Precision.INT4)
+
+
+def test_cli_int8_mlp_is_calibrated_static_by_default_and_scores_do_not_depend_on_the_batch(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Bug caught (found in the server's load test): dynamic INT8 activations quantize per
+    batch, so a row's score moved with the rows it was batched with (0.02 in a logit).
+    ``--mlp int8`` calibrates static ranges on training rows by default; a row then scores
+    the same alone as in a batch, and with --prune-min-count the unseen rows are pruned."""
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", str(model_dir), "--output", str(out), "--mlp", "int8",
+                 "--tables", "int8", "--calibration-batches", "2", "--prune-min-count", "1",
+                 "--batch-size", "256"]) == 0  # fmt: skip
+    model = load(out)
+    assert model.manifest.dense["activations"] == "static"
+    assert model.manifest.quantization["prune"]["min_count"] == 1
+    batch = next(iter(batches(model_dataset(model), batch_size=64)))
+    together = model.logits(batch.dense, batch.sparse)
+    few = next(iter(batches(model_dataset(model), batch_size=4)))
+    assert torch.equal(model.logits(few.dense, few.sparse), together[:4])
