@@ -36,7 +36,14 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]  # this tree's tetrarec, then _harness
-from _harness import describe_run, json_path, kernel_summary, print_table, write_json  # noqa: E402
+from _harness import (  # noqa: E402
+    describe_run,
+    json_path,
+    kernel_summary,
+    print_table,
+    unwind_on_signals,
+    write_json,
+)
 
 from tetrarec.data import DataSource  # noqa: E402
 from tetrarec.inference import InferenceModel, load  # noqa: E402
@@ -221,7 +228,12 @@ def main() -> None:
     if args.model is None and not args.smoke:
         p.error("give --model DIR or --smoke")
     sizes = [int(s) for s in args.batch_sizes.split(",")]
-    with tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp:
+    # On SIGTERM (what `tetrarec bench` forwards) unwind: the servers are stopped in
+    # `finally`, never left running, and the scratch model is deleted.
+    with (
+        unwind_on_signals("bench_serve"),
+        tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp,
+    ):
         model_dir = args.model or _smoke_model(Path(tmp))
         model = load(model_dir)
         rng = random.Random(0)
