@@ -517,10 +517,10 @@ class LookupBackend:
 
 
 #: The precisions whose PyTorch bags measured faster than tetrarec's kernel at batch
-#: 2048 (``benchmarks/bench_inference_kernels.py``, results in
-#: benchmarks/results/inference_kernels.md): INT8 and INT4 (0.65x and 0.45x of
-#: tetrarec's time at 26 x 20k, dim 16, pooling 1; 0.94x and 0.29x at dim 64), not FP32
-#: (1.13x, 1.85x). ``auto`` runs those on PyTorch's ops.
+#: 2048 (``benchmarks/bench_inference_kernels.py --only tables``, results in
+#: benchmarks/results/inference_kernels.md): INT8 (0.80x and 0.94x of tetrarec's time on
+#: 26 x 20k dim 64 pooling 20 and 26 x 100k dim 16 pooling 1) and INT4 (0.44x; 1.03x),
+#: not FP32 (1.02x; 1.45x). ``auto`` runs those on PyTorch's ops.
 TORCH_FASTER: frozenset[Precision] = frozenset({Precision.INT8, Precision.INT4})
 
 
