@@ -305,6 +305,8 @@ class SearchResult:
         reference_metrics: the reference's metrics.
         reference_bytes: the reference's bytes.
         mlp: the dense format and its settings.
+        mlp_alone: the dense format's deltas alone (every table FP32); ``None`` for FP32
+            dense layers.
     """
 
     spec: QuantSpec
@@ -318,6 +320,23 @@ class SearchResult:
     reference_metrics: Metrics
     reference_bytes: int
     mlp: dict[str, Any] = field(default_factory=dict)
+    mlp_alone: Deltas | None = None
+
+
+def _mlp_alone(
+    ref: Reference,
+    mlp: str,
+    settings: Mapping[str, Any],
+    quantize: Callable[[InferenceModel, QuantSpec], InferenceModel],
+) -> Deltas | None:
+    """The deltas of the dense format alone (every table as in the reference).
+
+    The part of a whole model's change that no table causes; ``None`` for FP32 dense
+    layers.
+    """
+    if mlp == "fp32":
+        return None
+    return ref.measure(quantize(ref.model, QuantSpec(mlp=mlp, mlp_settings=settings)))
 
 
 def _sens_index(sens: Iterable[Sensitivity]) -> dict[tuple[str, str], Sensitivity]:
@@ -457,7 +476,10 @@ def search(
     with _bar(1, "search", progress) as bar:
         model, deltas = verify("start: each table's lowest precision within the budget alone")
         bar.update(1)
-        while deltas.ne_pct > budget_ne_pct:
+        mlp_alone = _mlp_alone(ref, mlp, settings, quantize)
+        # Raising tables cannot bring the model under a budget its dense format alone is over.
+        over = mlp_alone is not None and mlp_alone.ne_pct > budget_ne_pct
+        while deltas.ne_pct > budget_ne_pct and not over:
             worst = _raise_one(index, current, ladders)
             if worst is None:
                 break
@@ -482,6 +504,7 @@ def search(
         reference_metrics=ref.metrics,
         reference_bytes=ref.model.nbytes(),
         mlp={"precision": mlp, **settings},
+        mlp_alone=mlp_alone,
     )
 
 
@@ -522,6 +545,7 @@ def evaluate_spec(
         reference_metrics=ref.metrics,
         reference_bytes=ref.model.nbytes(),
         mlp={"precision": spec.mlp, **spec.mlp_settings},
+        mlp_alone=_mlp_alone(ref, spec.mlp, spec.mlp_settings, quantize),
     )
 
 

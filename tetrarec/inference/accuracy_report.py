@@ -8,6 +8,7 @@ writes::
      "reference": {metrics}, "metrics": {metrics},
      "deltas": {"ne_pct", "auc", "calibration"},
      "model_bytes": {"reference", "quantized", "ratio"}, "mlp": {"precision", ...},
+     "mlp_alone": {"ne_pct", "auc", "calibration"} or null (FP32 dense layers),
      "tables": [{"table", "precision", "why", "bytes"}, ...],
      "sensitivity": [{"table", "precision", "ne_pct", "auc", "calibration",
                       "table_bytes", "bytes_saved"}, ...],
@@ -201,6 +202,13 @@ def report_dict(result: SearchResult, *, eval_rows: int) -> dict[str, Any]:
             "ratio": quantized / result.reference_bytes,
         },
         "mlp": dict(result.mlp),
+        "mlp_alone": None
+        if result.mlp_alone is None
+        else {
+            "ne_pct": result.mlp_alone.ne_pct,
+            "auc": result.mlp_alone.auc,
+            "calibration": result.mlp_alone.calibration,
+        },
         "tables": [
             {"table": c.table, "precision": c.precision, "why": c.why, "bytes": sizes[c.table]}
             for c in result.choices
@@ -236,8 +244,14 @@ def format_report(report: dict[str, Any]) -> str:
         f"AUC change   {d['auc']:+.5f}   calibration change {d['calibration']:+.5f}   "
         f"({report['eval_rows']:,} evaluation rows; FP32 AUC "
         f"{report['reference']['auc']:.4f}, NE {report['reference']['ne']:.4f})",
-        "",
     ]
+    alone = report.get("mlp_alone")
+    if alone is not None:
+        head.append(
+            f"of which the dense layers ({report['mlp'].get('precision')}) alone: NE "
+            f"{alone['ne_pct']:+.4f}%, AUC {alone['auc']:+.5f} (every table FP32)"
+        )
+    head.append("")
     sens = {(s["table"], s["precision"]): s for s in report["sensitivity"]}
     width = max([len("table"), *(len(t["table"]) for t in report["tables"])])
     lines = [f"{'table':<{width}}  {'precision':<9}  {'bytes':>12}  {'alone NE %':>10}  why"]

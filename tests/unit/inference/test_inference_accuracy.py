@@ -32,8 +32,14 @@ from tetrarec.inference.accuracy_report import (
     plot_report,
     report_dict,
 )
+from tetrarec.inference.dense import DENSE_FORMATS
 from tetrarec.inference.export import export_checkpoint
-from tetrarec.inference.quantize import precision_ladders, quantize_tables
+from tetrarec.inference.quantize import (
+    QuantSpec,
+    precision_ladders,
+    quantize_model,
+    quantize_tables,
+)
 from tetrarec.inference.scoring import batches, model_dataset
 from tetrarec.train import train
 from tetrarec.train.metrics import compute_metrics
@@ -321,3 +327,26 @@ def test_cli_int8_mlp_is_calibrated_static_by_default_and_scores_do_not_depend_o
     together = model.logits(batch.dense, batch.sparse)
     few = next(iter(batches(model_dataset(model), batch_size=4)))
     assert torch.equal(model.logits(few.dense, few.sparse), together[:4])
+
+
+def test_the_report_separates_the_dense_formats_own_change(ref: Reference) -> None:
+    """Bug caught (found reading a report): with an INT8 MLP most of a model's NE change
+    was the MLP's, yet the report only listed tables, whose own changes were nil, and the
+    search raised them in vain. The dense format's change alone is measured, reported,
+    and a budget it alone is over stops the back-off at once (no table can fix it)."""
+    if "int8" not in DENSE_FORMATS:
+        pytest.skip("no INT8 dense format")
+    result = search(ref, 0.0, mlp="int8", mlp_settings={"activations": "dynamic"})
+    alone = result.mlp_alone
+    assert alone is not None
+    fp32_tables = quantize_model(
+        ref.model, QuantSpec(mlp="int8", mlp_settings={"activations": "dynamic"})
+    )
+    assert alone.ne_pct == ref.measure(fp32_tables).ne_pct
+    report = report_dict(result, eval_rows=ref.num_rows)
+    assert report["mlp_alone"]["ne_pct"] == alone.ne_pct
+    assert "of which the dense layers (int8) alone" in format_report(report)
+    if alone.ne_pct > 0.0:  # over a zero budget by itself: no table is raised
+        assert len(result.steps) == 1
+        assert not result.fits
+    assert search(ref, 1.0).mlp_alone is None  # FP32 dense layers: nothing to separate
