@@ -126,6 +126,34 @@ void check_inputs(const at::Tensor& dense, const at::Tensor& embeddings) {
               "dot_interaction: embeddings must be (B, F*D) for dense (B, D)");
 }
 
+// One sample's pairs <C_i, C_j> (i > j) into pairs[i(i-1)/2 + j], kRows rows i at a time
+// against C^T (D, ld; C^T[k][j] = C_j[k], zero-padded): row_of(i) is row C_i, or a row of
+// zeros for i >= n. acc holds kRows * 2 * kLanes floats. (The FP32 forward and the BF16
+// forward's any-CPU path both run it.)
+template <typename RowOf>
+inline void gram_pairs(RowOf row_of, const float* ct, int64_t ld, int64_t D, int64_t n,
+                       float* pairs, float* acc) {
+  for (int64_t i0 = 1; i0 < n; i0 += kRows) {
+    const float* a[kRows];
+    for (int64_t r = 0; r < kRows; ++r) a[r] = row_of(i0 + r);
+    // rows i0..i0+3 need the columns j < i <= i0+3
+    const int64_t cols = round_up(std::min(i0 + kRows - 1, n), kLanes);
+    for (int64_t j0 = 0; j0 < cols; j0 += 2 * kLanes) {
+      const int64_t w = std::min<int64_t>(2 * kLanes, cols - j0);
+      if (w == 2 * kLanes) {
+        gram_block<2>(a, ct + j0, ld, D, acc);
+      } else {
+        gram_block<1>(a, ct + j0, ld, D, acc);
+      }
+      for (int64_t r = 0; r < kRows && i0 + r < n; ++r) {
+        const int64_t i = i0 + r;
+        for (int64_t j = j0; j < std::min(i, j0 + w); ++j)
+          pairs[i * (i - 1) / 2 + j] = acc[r * w + (j - j0)];
+      }
+    }
+  }
+}
+
 }  // namespace
 
 at::Tensor dot_interaction_forward(const at::Tensor& dense, const at::Tensor& embeddings) {
@@ -153,27 +181,9 @@ at::Tensor dot_interaction_forward(const at::Tensor& dense, const at::Tensor& em
         const float* r = eb + (j - 1) * D;
         for (int64_t k = 0; k < D; ++k) ct[k * ld + j] = r[k];
       }
-      float* pairs = ob + D;
-      for (int64_t i0 = 1; i0 < n; i0 += kRows) {
-        const float* a[kRows];
-        for (int64_t r = 0; r < kRows; ++r)
-          a[r] = i0 + r < n ? eb + (i0 + r - 1) * D : zero_row.data();
-        // rows i0..i0+3 need the columns j < i <= i0+3
-        const int64_t cols = round_up(std::min(i0 + kRows - 1, n), kLanes);
-        for (int64_t j0 = 0; j0 < cols; j0 += 2 * kLanes) {
-          const int64_t w = std::min<int64_t>(2 * kLanes, cols - j0);
-          if (w == 2 * kLanes) {
-            gram_block<2>(a, ct.data() + j0, ld, D, acc);
-          } else {
-            gram_block<1>(a, ct.data() + j0, ld, D, acc);
-          }
-          for (int64_t r = 0; r < kRows && i0 + r < n; ++r) {
-            const int64_t i = i0 + r;
-            for (int64_t j = j0; j < std::min(i, j0 + w); ++j)
-              pairs[i * (i - 1) / 2 + j] = acc[r * w + (j - j0)];
-          }
-        }
-      }
+      gram_pairs(
+          [&](int64_t i) { return i < n ? eb + (i - 1) * D : zero_row.data(); }, ct.data(), ld,
+          D, n, ob + D, acc);
     }
   });
   return out;
@@ -262,25 +272,8 @@ void bf16_forward_rounded(const float* x, const float* e, float* o, int64_t B, i
       for (int64_t k = 0; k < (n - 1) * D; ++k) rows[D + k] = round_bf16(eb[k]);
       for (int64_t j = 0; j < n; ++j)
         for (int64_t k = 0; k < D; ++k) ct[k * ld + j] = rows[j * D + k];
-      float* pairs = ob + D;
-      for (int64_t i0 = 1; i0 < n; i0 += kRows) {
-        const float* a[kRows];
-        for (int64_t r = 0; r < kRows; ++r) a[r] = rows.data() + std::min(i0 + r, n) * D;
-        const int64_t cols = round_up(std::min(i0 + kRows - 1, n), kLanes);
-        for (int64_t j0 = 0; j0 < cols; j0 += 2 * kLanes) {
-          const int64_t w = std::min<int64_t>(2 * kLanes, cols - j0);
-          if (w == 2 * kLanes) {
-            gram_block<2>(a, ct.data() + j0, ld, D, acc);
-          } else {
-            gram_block<1>(a, ct.data() + j0, ld, D, acc);
-          }
-          for (int64_t r = 0; r < kRows && i0 + r < n; ++r) {
-            const int64_t i = i0 + r;
-            for (int64_t j = j0; j < std::min(i, j0 + w); ++j)
-              pairs[i * (i - 1) / 2 + j] = acc[r * w + (j - j0)];
-          }
-        }
-      }
+      gram_pairs([&](int64_t i) { return rows.data() + std::min(i, n) * D; }, ct.data(), ld, D,
+                 n, ob + D, acc);
     }
   });
 }
