@@ -199,9 +199,11 @@ class InferenceModel:
             )
         embeddings = _tables_from(emb, tensors, backend)
         fo_rows = _tables_from(fo, tensors, backend) if fo else None
-        torch.manual_seed(0)  # the dense layers' initial draw (overwritten) stays fixed
         try:
-            module = build_model(config.model.dlrm, embeddings, first_order_rows=fo_rows)
+            # The dense layers' initial draw (overwritten next) must not move the caller's
+            # global RNG: loading a model is no reason for a user's random stream to change.
+            with torch.random.fork_rng(devices=[]):
+                module = build_model(config.model.dlrm, embeddings, first_order_rows=fo_rows)
             DENSE_FORMATS[dense_precision].load(module, tensors, manifest.dense)
         except ValueError as e:
             raise ModelFileError(f"the model file does not fit its manifest: {e}") from None

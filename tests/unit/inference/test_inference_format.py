@@ -157,3 +157,14 @@ def test_a_pickle_payload_as_the_tensor_file_is_never_unpickled(model_dir, tmp_p
     with pytest.raises(ModelFileError, match=r"tensors\.safetensors: not a readable safetensors"):
         load(model_dir)
     assert not marker.exists()
+
+
+def test_loading_a_model_leaves_the_global_rng_as_it_was(exported) -> None:
+    """Bug caught (found in review): loading reseeded torch's global RNG (the throwaway
+    initial draw of the dense layers), so a user's random stream changed on load."""
+    directory = exported
+    torch.manual_seed(1234)
+    want = torch.rand(4)
+    torch.manual_seed(1234)
+    load(directory)
+    assert torch.equal(torch.rand(4), want)
