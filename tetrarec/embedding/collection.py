@@ -13,14 +13,13 @@ table-batched collection in ``tetrarec.kernels`` replaces it without changing an
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
 
 from tetrarec.embedding.config import TableConfig, feature_order
 from tetrarec.embedding.init import draw_seed, init_rows
-from tetrarec.embedding.report import CacheStats, whole_tables_layout
+from tetrarec.embedding.report import UncachedWholeTables
 from tetrarec.sparse import PooledEmbeddings, SparseFeatures, permute_keys
 
 __all__ = ["EmbeddingBagCollection", "check_ids"]
@@ -46,7 +45,7 @@ def check_ids(feature: str, ids: torch.Tensor, num_rows: int) -> None:
         )
 
 
-class EmbeddingBagCollection(nn.Module):
+class EmbeddingBagCollection(UncachedWholeTables, nn.Module):
     """One ``nn.EmbeddingBag`` per table; pooled lookups of every feature.
 
     Args:
@@ -113,23 +112,7 @@ class EmbeddingBagCollection(nn.Module):
         """
         return {t.name: self._weight(t.name) for t in self.tables}
 
-    # -- what the trainer reads (HeldTables) ------------------------------------------------
-
-    def shard_layout(self) -> list[dict[str, Any]]:
-        """Every table, whole (``report.whole_tables_layout``)."""
-        return whole_tables_layout(self.tables)
-
-    def cache_stats(self) -> dict[str, CacheStats]:
-        """``{}``: no table is cached."""
-        return {}
-
-    def counted_cache_stats(self) -> dict[str, CacheStats]:
-        """``{}``: no table is cached."""
-        return {}
-
-    def cached_rows(self) -> dict[str, torch.Tensor]:
-        """``{}``: no table is cached."""
-        return {}
+    # -- what the trainer reads (HeldTables): layout and cache answers from the mixin ----
 
     def sparse_parameters(self) -> list[nn.Parameter]:
         """The parameters that receive sparse gradients (one per table)."""

@@ -26,7 +26,13 @@ import torch
 
 from tetrarec.embedding.config import TableConfig
 
-__all__ = ["CacheCounters", "CacheStats", "HeldTables", "whole_tables_layout"]
+__all__ = [
+    "CacheCounters",
+    "CacheStats",
+    "HeldTables",
+    "UncachedWholeTables",
+    "whole_tables_layout",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,3 +122,30 @@ def whole_tables_layout(tables: Sequence[TableConfig]) -> list[dict[str, Any]]:
         {"name": t.name, "table": t.name, "rows": [0, t.num_embeddings], "cols": [0, t.dim]}
         for t in tables
     ]
+
+
+class UncachedWholeTables:
+    """The ``HeldTables`` answers of an unsharded collection without a cache.
+
+    A mixin for the reference and the fused collections (written once, not in each):
+    every table held whole, no cache counters, no cached rows. The class sets
+    ``tables``.
+    """
+
+    tables: tuple[TableConfig, ...]
+
+    def shard_layout(self) -> list[dict[str, Any]]:
+        """Every table, whole (``whole_tables_layout``)."""
+        return whole_tables_layout(self.tables)
+
+    def cache_stats(self) -> dict[str, CacheStats]:
+        """``{}``: no table is cached."""
+        return {}
+
+    def counted_cache_stats(self) -> dict[str, CacheStats]:
+        """``{}``: no table is cached."""
+        return {}
+
+    def cached_rows(self) -> dict[str, torch.Tensor]:
+        """``{}``: no table is cached."""
+        return {}

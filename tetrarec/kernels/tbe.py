@@ -59,7 +59,7 @@ from tetrarec.embedding import (
     feature_order,
     init_rows,
 )
-from tetrarec.embedding.report import CacheStats, whole_tables_layout
+from tetrarec.embedding.report import UncachedWholeTables
 from tetrarec.kernels import ops, reference
 from tetrarec.kernels.fused_optim import FusedOptimizer
 from tetrarec.kernels.layout import plan_stores
@@ -146,7 +146,7 @@ def _keeping_dtype(fn: Any) -> Any:
     return apply
 
 
-class FusedEmbeddingBagCollection(nn.Module):
+class FusedEmbeddingBagCollection(UncachedWholeTables, nn.Module):
     """Table-batched embedding bags whose backward applies the sparse optimizer.
 
     Args:
@@ -585,23 +585,7 @@ class FusedEmbeddingBagCollection(nn.Module):
             raise
         return rows, share
 
-    # -- what the trainer reads (embedding.HeldTables) ------------------------------------
-
-    def shard_layout(self) -> list[dict[str, Any]]:
-        """Every table, whole (``tetrarec.embedding.report.whole_tables_layout``)."""
-        return whole_tables_layout(self.tables)
-
-    def cache_stats(self) -> dict[str, CacheStats]:
-        """``{}``: no table is cached."""
-        return {}
-
-    def counted_cache_stats(self) -> dict[str, CacheStats]:
-        """``{}``: no table is cached."""
-        return {}
-
-    def cached_rows(self) -> dict[str, torch.Tensor]:
-        """``{}``: no table is cached."""
-        return {}
+    # -- what the trainer reads (embedding.HeldTables; layout, caches: the mixin) ----------
 
     def table_weights(self) -> dict[str, torch.Tensor]:
         """``{table name: (rows, dim) FP32}``, dequantized for low-precision tables.
