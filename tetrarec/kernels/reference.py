@@ -26,6 +26,7 @@ from tetrarec.sparse import offsets_from_lengths
 from tetrarec.types import OptimizerKind, Precision
 
 __all__ = [
+    "HOST_SYNCS_PER_CALL",
     "backward_update",
     "dot_interaction_backward",
     "dot_interaction_bf16_forward",
@@ -38,6 +39,11 @@ __all__ = [
     "summed_row_gradients",
     "table_view",
 ]
+
+#: Host synchronisations the portable ``pooled_forward`` and ``backward_update`` may
+#: each make per call (one row store); ``tests/unit/kernels/test_portable_host_syncs.py``
+#: counts them during a training step.
+HOST_SYNCS_PER_CALL = 1
 
 
 def table_view(
