@@ -154,11 +154,12 @@ def _tbe_forward_op(
 
     Returns:
         ``(2,)`` int64 CPU tensor ``[feature, id]`` of an out-of-range id, or
-        ``[-1, -1]``; ids are checked only when ``check_bounds``.
+        ``[-1, -1]``; ids are checked only when ``check_bounds``. The portable path
+        builds it on the host from its one host read (``reference.HOST_SYNCS_PER_CALL``).
     """
     return reference.pooled_forward(
         weights, meta, values, lengths, per_sample_weights, out, precision, check_bounds
-    ).cpu()
+    )
 
 
 @_tbe_forward_op.register_kernel("cpu")

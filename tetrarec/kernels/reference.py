@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 
-from tetrarec.embedding import SparseOptimizerSpec
-from tetrarec.kernels.optim_rules import OPTIM_RULES, state_layout
 from tetrarec.kernels.quant import decode_rows, encode_rows, row_width
+from tetrarec.kernels.reference_batched import (
+    HOST_SYNCS_PER_CALL,
+    backward_update,
+    pooled_forward,
+    rounding_noise,
+)
 from tetrarec.sparse import offsets_from_lengths
-from tetrarec.types import OptimizerKind, Precision
+from tetrarec.types import Precision
 
 __all__ = [
     "HOST_SYNCS_PER_CALL",
@@ -39,11 +42,6 @@ __all__ = [
     "summed_row_gradients",
     "table_view",
 ]
-
-#: Host synchronisations the portable ``pooled_forward`` and ``backward_update`` may
-#: each make per call (one row store); ``tests/unit/kernels/test_portable_host_syncs.py``
-#: counts them during a training step.
-HOST_SYNCS_PER_CALL = 1
 
 
 def table_view(
@@ -121,98 +119,6 @@ def _check_batch(
             f"tetrarec tbe {where}: the lengths add up to {ids} ids, the per-id weights hold "
             f"{psw.numel()}"
         )
-
-
-def pooled_forward(
-    weights: torch.Tensor,
-    meta: list[torch.Tensor],
-    values: torch.Tensor,
-    lengths: torch.Tensor,
-    per_sample_weights: torch.Tensor | None,
-    out: torch.Tensor,
-    precision: str,
-    check_bounds: bool,
-) -> torch.Tensor:
-    """Pool the features of one row store into their columns of ``out`` (B, sum dims).
-
-    Returns:
-        ``(2,)`` int64 ``[feature, id]`` of the first out-of-range id, ``[-1, -1]`` if
-        none (checked only when ``check_bounds``).
-    """
-    prec = Precision(precision)
-    offsets = offsets_from_lengths(lengths.long())
-    host = [m.tolist() for m in meta[:7]]
-    w_off, dims, rows, _, feat_table, feat_cols, feat_mean = host
-    batch = out.shape[0]
-    _check_batch(host, "forward", "out", out.shape[1], batch, offsets, values, per_sample_weights)
-    starts = _feature_starts(offsets, batch, len(feat_table))  # (F+1,)
-    for f, t in enumerate(feat_table):
-        if t < 0:
-            continue
-        ids = values[starts[f] : starts[f + 1]].long()
-        if check_bounds and ids.numel():
-            lo, hi = (int(x) for x in torch.aminmax(ids))
-            if lo < 0 or hi >= rows[t]:
-                # The smallest bad id of the first such feature, as the compiled kernel
-                # reports it (whatever the threads' order).
-                bad = lo if lo < 0 else int(ids[ids >= rows[t]].min())
-                return torch.tensor([f, bad], dtype=torch.int64)
-        d = dims[t]
-        emb = decode_rows(table_view(weights, prec, w_off[t], rows[t], d)[ids], prec, d)
-        if per_sample_weights is not None:
-            emb = emb * per_sample_weights[starts[f] : starts[f + 1], None]
-        lengths, bag = _bags(offsets, f, batch)
-        pooled = torch.zeros(batch, d, device=out.device).index_add_(0, bag, emb)  # (B, D)
-        if feat_mean[f]:
-            pooled /= lengths.clamp(min=1).unsqueeze(1)
-        out[:, feat_cols[f] : feat_cols[f] + d] = pooled
-    return torch.tensor([-1, -1], dtype=torch.int64)
-
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _mix64(z: np.ndarray) -> np.ndarray:
-    """SplitMix64's finalizer on uint64 (wraps mod 2^64, as the C++ kernel's ``mix64``)."""
-    z = z + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    out: np.ndarray = z ^ (z >> np.uint64(31))
-    return out
-
-
-def rounding_noise(
-    seed: int, iteration: int, row_keys: torch.Tensor, col_start: int, dim: int
-) -> torch.Tensor:
-    """Uniform ``(U, dim)`` draws in (0, 1) for stochastic rounding of ``U`` rows.
-
-    Counter-based, as in the C++ kernel (the same bits): a function of the step's
-    ``(seed, iteration)``, the row's global key and the global column only, never of
-    which other rows the step touched or of how the table is sharded.
-
-    Args:
-        seed: the collection's seed.
-        iteration: the backward pass's number.
-        row_keys: ``(U,)`` rounding keys of the rows (``TableSlice.row_key() + row``).
-        col_start: global column of the rows' first column.
-        dim: columns.
-    """
-    with np.errstate(over="ignore"):
-        step = np.uint64(seed % 2**64) * _GOLDEN ^ np.uint64(iteration % 2**64)
-        rows = row_keys.detach().cpu().numpy().astype(np.uint64)
-        key = _mix64(step ^ (rows * np.uint64(0xA24BAED4963EE407)))  # (U,)
-        lo = (key & np.uint64(0xFFFFFFFF)).astype(np.uint32)[:, None]
-        hi = (key >> np.uint64(32)).astype(np.uint32)[:, None]
-        cols = np.arange(col_start, col_start + dim, dtype=np.uint32)[None, :]
-        z = lo + cols * np.uint32(0x9E3779B9)
-        z ^= z >> np.uint32(16)
-        z *= np.uint32(0x85EBCA6B)
-        z ^= z >> np.uint32(13)
-        z *= np.uint32(0xC2B2AE35)
-        z ^= z >> np.uint32(16)
-        bits16 = ((z ^ hi) >> np.uint32(8)) & np.uint32(0xFFFF)
-    u = (bits16.astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 65536.0)
-    return torch.from_numpy(u).to(row_keys.device)
 
 
 def _per_id_grads(
@@ -356,64 +262,6 @@ def _check_ids_before_update(
                 f"tetrarec tbe backward: feature {f} (its index in the feature order): "
                 f"id {first} is outside its table of {rows[t]} rows"
             )
-
-
-def backward_update(
-    grad_out: torch.Tensor,
-    weights: torch.Tensor,
-    meta: list[torch.Tensor],
-    values: torch.Tensor,
-    lengths: torch.Tensor,
-    per_sample_weights: torch.Tensor | None,
-    states: list[torch.Tensor],
-    state_offsets: list[torch.Tensor],
-    optimizer: str,
-    hparams: list[float],
-    precision: str,
-    flags: list[int],
-) -> torch.Tensor:
-    """Apply the fused optimizer to every row the batch touched; see ``ops.py``.
-
-    Returns:
-        ``(N,)`` gradient w.r.t. ``per_sample_weights`` (empty if none or not asked).
-    """
-    prec, kind = Precision(precision), OptimizerKind(optimizer)
-    offsets = offsets_from_lengths(lengths.long())
-    stochastic, seed, iteration, deterministic, want_psw_grad = flags
-    lr, eps, beta1, beta2, weight_decay = hparams
-    spec = SparseOptimizerSpec(
-        kind=kind, lr=lr, eps=eps, beta1=beta1, beta2=beta2, weight_decay=weight_decay
-    )
-    host = [m.tolist() for m in meta]
-    batch, width = grad_out.shape
-    _check_batch(host, "backward", "grad_out", width, batch, offsets, values, per_sample_weights)
-    _check_ids_before_update(values, offsets, host, batch)
-    w_off, dims, rows = host[0], host[1], host[2]
-    psw_grad = None
-    if per_sample_weights is not None and want_psw_grad:
-        psw_grad = torch.zeros_like(per_sample_weights)
-    st_off = [o.tolist() for o in state_offsets]
-    for t in sorted({t for t in host[4] if t >= 0}):
-        args = (grad_out, weights, host, t, values, offsets, per_sample_weights, psw_grad, prec)
-        uniq, g = _sum_duplicates(*_per_id_grads(*args), bool(deterministic))
-        view = table_view(weights, prec, w_off[t], rows[t], dims[t])
-        w = decode_rows(view[uniq], prec, dims[t])  # (U, D)
-        names = list(state_layout(kind, dims[t]).items())
-        st_views = [
-            s[o[t] : o[t] + rows[t] * width].view(rows[t], width)
-            for s, o, (_, width) in zip(states, st_off, names)
-        ]
-        st = {name: v[uniq] for (name, _), v in zip(names, st_views)}
-        OPTIM_RULES[kind](w, g, st, spec, lr)
-        noise = None
-        if stochastic and prec is not Precision.FP32:
-            noise = rounding_noise(seed, iteration, host[7][t] + uniq, host[8][t], dims[t])
-        view[uniq] = encode_rows(w, prec, stochastic=bool(stochastic), noise=noise)
-        for (name, _), v in zip(names, st_views):
-            v[uniq] = st[name]
-    if psw_grad is None:
-        return torch.empty(0, device=grad_out.device)
-    return psw_grad
 
 
 # -- DLRM dot interaction ---------------------------------------------------------------
