@@ -39,7 +39,7 @@ import torch
 
 from tetrarec.embedding import SparseOptimizerSpec
 from tetrarec.kernels.optim_rules import OPTIM_RULES, state_layout
-from tetrarec.kernels.quant import encode_rows
+from tetrarec.kernels.quant import decode_rows, encode_rows
 from tetrarec.sparse import offsets_from_lengths
 from tetrarec.types import OptimizerKind, Precision
 
@@ -124,6 +124,7 @@ class _Ids:
     feat: torch.Tensor  # its feature
     table: torch.Tensor  # its table in this store, -1 for another store's feature
     offsets: torch.Tensor  # (F*B + 1,) bag offsets
+    bag_feat: torch.Tensor  # (F*B,) the feature of each bag
 
 
 def _locate_ids(values: torch.Tensor, offsets: torch.Tensor, meta: list[torch.Tensor]) -> _Ids:
@@ -141,7 +142,11 @@ def _locate_ids(values: torch.Tensor, offsets: torch.Tensor, meta: list[torch.Te
     bag = marks[:n].cumsum(0).clamp_(0, max(bags - 1, 0))
     feat = (bag // batch).clamp_(0, max(feat_table.numel() - 1, 0))
     table = feat_table[feat] if feat_table.numel() else torch.full_like(feat, -1)
-    return _Ids(ids=values.long(), bag=bag, feat=feat, table=table, offsets=offsets)
+    bag_feat = torch.arange(bags, device=values.device) // batch
+    bag_feat = bag_feat.clamp_(max=max(feat_table.numel() - 1, 0))
+    return _Ids(
+        ids=values.long(), bag=bag, feat=feat, table=table, offsets=offsets, bag_feat=bag_feat
+    )
 
 
 def _checks(loc: _Ids, rows_t: torch.Tensor, n: int) -> torch.Tensor:
@@ -247,6 +252,39 @@ def _row_geometry(prec: Precision, dims_t: torch.Tensor) -> tuple[torch.Tensor, 
     return (payload + 4 + align - 1) // align * align, payload
 
 
+def _width(prec: Precision, dim: int) -> int:
+    """Storage elements of one row (host ints)."""
+    return prec.row_bytes(dim) if prec.is_integer else dim
+
+
+def _row_matrix(flat: torch.Tensor, width: int) -> torch.Tensor:
+    """``flat`` as ``(numel // width, width)`` rows (a view)."""
+    return flat.as_strided((flat.numel() // width, width), (width, 1), flat.storage_offset())
+
+
+def _gather_rows(
+    flat: torch.Tensor, start: torch.Tensor, width: int, aligned: bool
+) -> torch.Tensor:
+    """``(n, width)`` elements of ``flat`` from each ``start`` ``(n,)``.
+
+    ``aligned`` (every start a multiple of ``width``): one row gather, not ``n * width``
+    element indices.
+    """
+    if aligned:
+        return _row_matrix(flat, width).index_select(0, start // width)
+    return flat[start[:, None] + torch.arange(width, device=start.device)]
+
+
+def _scatter_rows(
+    flat: torch.Tensor, start: torch.Tensor, width: int, aligned: bool, rows: torch.Tensor
+) -> None:
+    """Write ``rows`` ``(n, width)`` back where ``_gather_rows`` read them (distinct)."""
+    if aligned:
+        _row_matrix(flat, width).index_copy_(0, start // width, rows)
+    else:
+        flat[start[:, None] + torch.arange(width, device=start.device)] = rows
+
+
 def _decoded_rows(
     weights: torch.Tensor,
     prec: Precision,
@@ -255,12 +293,17 @@ def _decoded_rows(
     payload: torch.Tensor,
     dmax: int,
     uniform: bool,
+    aligned: bool = False,
 ) -> torch.Tensor:
     """FP32 ``(n, dmax)`` rows starting at flat element ``start`` ``(n,)`` of ``weights``.
 
     Row ``i`` has ``dim[i]`` columns; the rest are zero (unless ``uniform``: every row
-    has ``dmax``). The arithmetic is ``quant.decode_rows``'s, element by element.
+    has ``dmax``; ``aligned``: and every start is a multiple of the row width). The
+    arithmetic is ``quant.decode_rows``'s, element by element.
     """
+    if uniform:
+        width = prec.row_bytes(dmax) if prec.is_integer else dmax
+        return decode_rows(_gather_rows(weights, start, width, aligned), prec, dmax)
     c = torch.arange(dmax, device=start.device)[None, :]  # (1, dmax)
     col = c if uniform else torch.minimum(c, (dim - 1).clamp(min=0)[:, None])
     if prec.is_integer:
@@ -321,7 +364,8 @@ def pooled_forward(
     t = loc.table.clamp(min=0)
     ids = torch.where(loc.table >= 0, loc.ids, 0)
     start = meta[0][t] + ids * row_w[t]
-    emb = _decoded_rows(weights, prec, start, dims_t[t], payload_t[t], dmax, uniform)
+    aligned = uniform and all(o % _width(prec, dmax) == 0 for o in host.w_off)
+    emb = _decoded_rows(weights, prec, start, dims_t[t], payload_t[t], dmax, uniform, aligned)
     if per_sample_weights is not None:
         emb = emb * per_sample_weights[:, None]
     pooled = torch.zeros(lengths.numel(), dmax, device=out.device).index_add_(0, loc.bag, emb)
@@ -385,7 +429,8 @@ def backward_update(
     loc = _locate_ids(values, offsets, meta)
     n = values.numel()
     order = _SortedRows.of(loc, meta)
-    host = _host_read(meta, _checks(loc, meta[2], n), order.counts)
+    extra = torch.cat([order.counts, *(o.long() for o in state_offsets)])
+    host = _host_read(meta, _checks(loc, meta[2], n), extra)
     _raise_bad_batch(host, "backward", "grad_out", width, values, per_sample_weights)
     if host.facts[4]:
         f = host.facts[5]
@@ -403,14 +448,18 @@ def backward_update(
         psw_grad = torch.zeros_like(per_sample_weights)
     step = _Step(grad_out, weights, meta, loc, per_sample_weights, psw_grad, prec, batch)
     tables = len(host.dims)
-    uniq_t, ids_t = host.extra[:tables], host.extra[tables:]
+    uniq_t, ids_t = host.extra[:tables], host.extra[tables : 2 * tables]
+    st_off = [host.extra[(2 + k) * tables : (3 + k) * tables] for k in range(len(states))]
     a = u = 0
     for d in sorted(set(host.dims)):  # a loop over row shapes (distinct dims), not tables
         in_d = [t for t in range(tables) if host.dims[t] == d]
         n_d, u_d = sum(ids_t[t] for t in in_d), sum(uniq_t[t] for t in in_d)
+        widths = [_width(prec, d), *state_layout(kind, d).values()]
+        offs = [host.w_off, *st_off]
+        aligned = [all(o[t] % wd == 0 for t in in_d) for o, wd in zip(offs, widths)]
         if n_d:
-            rows = step.summed(order, a, a + n_d, u, u_d, d)
-            _update_rows(step, rows, states, state_offsets, kind, spec, flags[:3], d)
+            rows = step.summed(order, a, a + n_d, u, u_d, d, aligned[0])
+            _update_rows(step, rows, states, state_offsets, kind, spec, flags[:3], d, aligned)
         a, u = a + n_d, u + u_d
     del stochastic, seed, iteration
     if psw_grad is None:
@@ -479,16 +528,18 @@ class _Step:
     prec: Precision
     batch: int
 
-    def rows(self, table: torch.Tensor, row: torch.Tensor, d: int) -> torch.Tensor:
+    def start(self, table: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        """Flat element where each row starts ``(n,)``."""
+        width, _ = _row_geometry(self.prec, self.meta[1])
+        return self.meta[0][table] + row * width[table]
+
+    def rows(self, table: torch.Tensor, row: torch.Tensor, d: int, aligned: bool) -> torch.Tensor:
         """Decoded ``(n, d)`` rows of tables of dim ``d``."""
-        width, payload = _row_geometry(self.prec, self.meta[1])
-        start = self.meta[0][table] + row * width[table]
-        return _decoded_rows(
-            self.weights, self.prec, start, self.meta[1][table], payload[table], d, True
-        )
+        start = self.start(table, row)
+        return _decoded_rows(self.weights, self.prec, start, table, table, d, True, aligned)
 
     def summed(
-        self, order: _SortedRows, a: int, b: int, u: int, n_rows: int, d: int
+        self, order: _SortedRows, a: int, b: int, u: int, n_rows: int, d: int, aligned: bool
     ) -> _TouchedRows:
         """Sorted ids ``a:b`` (one dim ``d``): their rows' summed gradients, in order.
 
@@ -499,14 +550,18 @@ class _Step:
         seg = order.seg[a:b] - u  # (n,) the row of each among these n_rows
         feat, table, ids = loc.feat[pos], loc.table[pos], loc.ids[pos]
         bag = loc.bag[pos]
-        cols = meta[5][feat][:, None] + torch.arange(d, device=pos.device)  # (n, d)
-        g = self.grad_out[(bag % self.batch)[:, None], cols]  # (n, d)
+        # each bag's d gradient columns (F*B, d), then each id's bag: no (n, d) index
+        bags = loc.offsets.numel() - 1
+        bag_cols = meta[5][loc.bag_feat][:, None] + torch.arange(d, device=pos.device)
+        bag_cols = bag_cols.clamp_(max=self.grad_out.shape[1] - 1)  # other dims' features
+        sample = (torch.arange(bags, device=pos.device) % self.batch)[:, None]
+        g = self.grad_out[sample, bag_cols].index_select(0, bag)  # (n, d)
         lengths = loc.offsets[1:] - loc.offsets[:-1]
         div = torch.where(meta[6][feat].bool(), lengths[bag].clamp(min=1), 1)
         g = g / div.unsqueeze(1)  # x / 1 is x: sum-pooled features keep their bits
         if self.psw is not None:
             if self.psw_grad is not None:
-                self.psw_grad[pos] = (g * self.rows(table, ids, d)).sum(dim=1)
+                self.psw_grad[pos] = (g * self.rows(table, ids, d, aligned)).sum(dim=1)
             g = g * self.psw[pos, None]
         summed = torch.zeros(n_rows, d, device=g.device).index_add_(0, seg, g)  # (U, d)
         u_table = torch.zeros(n_rows, dtype=torch.int64, device=g.device).scatter_(0, seg, table)
@@ -523,25 +578,29 @@ def _update_rows(
     spec: SparseOptimizerSpec,
     rounding: list[int],
     d: int,
+    aligned: list[bool],
 ) -> None:
-    """Decode, apply ``OPTIM_RULES[kind]``, encode and write one dim's touched rows."""
+    """Decode, apply ``OPTIM_RULES[kind]``, encode and write one dim's touched rows.
+
+    ``aligned``: whether the rows', then each state's, starts are multiples of their
+    widths (whole-row gathers and writes).
+    """
     meta, prec = step.meta, step.prec
     t, r = touched.table, touched.row
-    w = step.rows(t, r, d)  # (U, d)
+    start = step.start(t, r)
+    w = step.rows(t, r, d, aligned[0])  # (U, d)
     names = list(state_layout(kind, d).items())
-    st_at = [
-        o[t][:, None] + r[:, None] * sw + torch.arange(sw, device=r.device)
-        for o, (_, sw) in zip(state_offsets, names)
-    ]  # (U, width) flat elements of each state
-    st = {name: s[at] for (name, _), s, at in zip(names, states, st_at)}
+    st_start = [o[t] + r * sw for o, (_, sw) in zip(state_offsets, names)]
+    st = {
+        name: _gather_rows(s, at, sw, al)
+        for (name, sw), s, at, al in zip(names, states, st_start, aligned[1:])
+    }
     OPTIM_RULES[kind](w, touched.grad, st, spec, spec.lr)
     stochastic, seed, iteration = rounding
     noise = None
     if stochastic and prec is not Precision.FP32:
         noise = rounding_noise(seed, iteration, meta[7][t] + r, meta[8][t], d)
-    width, _ = _row_geometry(prec, meta[1])
-    row_w = prec.row_bytes(d) if prec.is_integer else d
-    at = meta[0][t][:, None] + r[:, None] * width[t][:, None] + torch.arange(row_w, device=r.device)
-    step.weights[at] = encode_rows(w, prec, stochastic=bool(stochastic), noise=noise)
-    for (name, _), s, sat in zip(names, states, st_at):
-        s[sat] = st[name]
+    encoded = encode_rows(w, prec, stochastic=bool(stochastic), noise=noise)
+    _scatter_rows(step.weights, start, _width(prec, d), aligned[0], encoded)
+    for (name, sw), s, at, al in zip(names, states, st_start, aligned[1:]):
+        _scatter_rows(s, at, sw, al, st[name])
