@@ -1,10 +1,11 @@
-"""The portable embedding step before and after the batched rewrite, alternated in one run.
+"""The portable embedding step: the per-table loop against the batched path, alternated.
 
 One training step (``pool_ids`` + ``update_ids``: forward, backward, fused Adagrad update)
-of a ``FusedEmbeddingBagCollection`` on the portable path (``TETRAREC_KERNELS=reference``),
-once with today's ``reference.pooled_forward`` / ``reference.backward_update`` (batched
-over all tables, ``kernels/reference_batched.py``) and once with the per-table loop they
-replaced (``_portable_before.py``, kept importable for this and as the tests' oracle).
+of a ``FusedEmbeddingBagCollection`` on the CPU's portable paths: ``before`` is the
+per-table loop (``kernels/reference.py``, ``TETRAREC_KERNELS=reference``: what the CPU
+runs without the compiled kernels), ``after`` the batched path over all tables
+(``kernels/reference_batched.py``, ``TETRAREC_KERNELS=batched``: what a GPU runs, with no
+host syncs in the step; on a CPU its full-batch temporaries overflow the caches).
 Rounds alternate the two on the same module and batch; each row reports the median step
 and ``speedup`` (before / after, the median over rounds of the per-round ratio).
 
@@ -25,16 +26,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-os.environ["TETRAREC_KERNELS"] = "reference"  # the portable path, before tetrarec loads
+os.environ["TETRAREC_KERNELS"] = "reference"  # a portable path, before tetrarec loads
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _portable_before as before
 from _harness import cpu_summary, print_table, write_json
 
 from tetrarec.embedding import SparseOptimizerSpec, TableConfig
-from tetrarec.kernels import reference, reference_batched
 from tetrarec.kernels.tbe import FusedEmbeddingBagCollection
 from tetrarec.types import OptimizerKind
 
@@ -71,10 +70,13 @@ def batch_of(shape: Shape, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return values, lengths
 
 
-def use(impl: Any) -> None:
-    """Route the portable ops to ``impl``'s forward and fused backward."""
-    reference.pooled_forward = impl.pooled_forward  # type: ignore[assignment]
-    reference.backward_update = impl.backward_update  # type: ignore[assignment]
+#: Each timed implementation and the ``TETRAREC_KERNELS`` mode that runs it on the CPU.
+IMPLS = {"before (per-table loop)": "reference", "after (batched)": "batched"}
+
+
+def use(mode: str) -> None:
+    """Run the ops' CPU kernels on the portable path of ``mode`` (read at each call)."""
+    os.environ["TETRAREC_KERNELS"] = mode
 
 
 def time_step(
@@ -94,21 +96,21 @@ def measure(shape: Shape, rounds: int) -> list[dict[str, Any]]:
     spec = SparseOptimizerSpec(kind=OptimizerKind.ADAGRAD, lr=0.01)
     ebc = FusedEmbeddingBagCollection(tables, spec, seed=0)
     values, lengths = batch_of(shape)
-    impls = {"before (per-table loop)": before, "after (batched)": reference_batched}
-    times: dict[str, list[float]] = {k: [] for k in impls}
-    for impl in impls.values():  # warm-up
-        use(impl)
+    times: dict[str, list[float]] = {k: [] for k in IMPLS}
+    for mode in IMPLS.values():  # warm-up
+        use(mode)
         time_step(ebc, values, lengths)
     for r in range(rounds):
-        order = list(impls) if r % 2 == 0 else list(reversed(impls))
+        order = list(IMPLS) if r % 2 == 0 else list(reversed(IMPLS))
         for name in order:
-            use(impls[name])
+            use(IMPLS[name])
             times[name].append(time_step(ebc, values, lengths))
     ratios = [b / a for b, a in zip(*times.values())]
     rows = []
     for name, ts in times.items():
         rows.append({
-            "impl": name, "kernels": "portable", "shape": shape.name, **asdict(shape),
+            "impl": name, "kernels": "portable", "mode": IMPLS[name], "shape": shape.name,
+            **asdict(shape),
             "ids": values.numel(), "step_ms": 1e3 * statistics.median(ts),
             "rounds_ms": [1e3 * t for t in ts],
         })  # fmt: skip
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     results = [row for s in shapes(args) for row in measure(s, args.rounds)]
     cpu = cpu_summary()
-    where = "kernels: portable (TETRAREC_KERNELS=reference)"
+    where = "kernels: portable (before: TETRAREC_KERNELS=reference, after: =batched)"
     print(f"CPU: {cpu['model']}; threads {args.threads}; {where}")
     cols = ["shape", "impl", "tables", "rows", "dim", "batch", "ids", "step_ms", "speedup"]
     print_table(results, cols)

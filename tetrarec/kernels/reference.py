@@ -1,8 +1,13 @@
 """Portable pure-PyTorch table-batched lookup and fused backward + optimizer.
 
-These run on any device, are the oracle the compiled kernels are tested against, and
-are what runs when no compiled kernel is available. They take exactly the arguments of
-the ``tetrarec::`` ops in ``ops.py`` (see there for the layout of each argument).
+The definition: the oracle the compiled kernels and the batched portable path
+(``reference_batched.py``) are tested against, bit for bit. The per-table loop here is
+what the CPU runs when no compiled kernel is available (no compiler, or
+``TETRAREC_KERNELS=reference``); other devices run ``reference_batched``'s forward and
+backward (the same bits, no host reads in the step, but several times slower on a CPU,
+whose caches its full-batch temporaries overflow) and this module's other functions.
+They take exactly the arguments of the ``tetrarec::`` ops in ``ops.py`` (see there for
+the layout of each argument).
 
 Backward, per table::
 
@@ -18,18 +23,13 @@ import functools
 
 import torch
 
+from tetrarec.embedding import SparseOptimizerSpec
+from tetrarec.kernels.optim_rules import OPTIM_RULES, state_layout
 from tetrarec.kernels.quant import decode_rows, encode_rows, row_width
-from tetrarec.kernels.reference_batched import (
-    HOST_SYNCS_PER_CALL,
-    backward_update,
-    pooled_forward,
-    rounding_noise,
-)
 from tetrarec.sparse import offsets_from_lengths
-from tetrarec.types import Precision
+from tetrarec.types import OptimizerKind, Precision
 
 __all__ = [
-    "HOST_SYNCS_PER_CALL",
     "backward_update",
     "dot_interaction_backward",
     "dot_interaction_bf16_forward",
@@ -119,6 +119,113 @@ def _check_batch(
             f"tetrarec tbe {where}: the lengths add up to {ids} ids, the per-id weights hold "
             f"{psw.numel()}"
         )
+
+
+def pooled_forward(
+    weights: torch.Tensor,
+    meta: list[torch.Tensor],
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    out: torch.Tensor,
+    precision: str,
+    check_bounds: bool,
+) -> torch.Tensor:
+    """Pool the features of one row store into their columns of ``out`` (B, sum dims).
+
+    Returns:
+        ``(2,)`` int64 ``[feature, id]`` of the first out-of-range id, ``[-1, -1]`` if
+        none (checked only when ``check_bounds``).
+    """
+    prec = Precision(precision)
+    offsets = offsets_from_lengths(lengths.long())
+    host = [m.tolist() for m in meta[:7]]
+    w_off, dims, rows, _, feat_table, feat_cols, feat_mean = host
+    batch = out.shape[0]
+    _check_batch(host, "forward", "out", out.shape[1], batch, offsets, values, per_sample_weights)
+    starts = _feature_starts(offsets, batch, len(feat_table))  # (F+1,)
+    for f, t in enumerate(feat_table):
+        if t < 0:
+            continue
+        ids = values[starts[f] : starts[f + 1]].long()
+        if check_bounds and ids.numel():
+            lo, hi = (int(x) for x in torch.aminmax(ids))
+            if lo < 0 or hi >= rows[t]:
+                # The smallest bad id of the first such feature, as the compiled kernel
+                # reports it (whatever the threads' order).
+                bad = lo if lo < 0 else int(ids[ids >= rows[t]].min())
+                return torch.tensor([f, bad], dtype=torch.int64)
+        d = dims[t]
+        emb = decode_rows(table_view(weights, prec, w_off[t], rows[t], d)[ids], prec, d)
+        if per_sample_weights is not None:
+            emb = emb * per_sample_weights[starts[f] : starts[f + 1], None]
+        lengths, bag = _bags(offsets, f, batch)
+        pooled = torch.zeros(batch, d, device=out.device).index_add_(0, bag, emb)  # (B, D)
+        if feat_mean[f]:
+            pooled /= lengths.clamp(min=1).unsqueeze(1)
+        out[:, feat_cols[f] : feat_cols[f] + d] = pooled
+    return torch.tensor([-1, -1], dtype=torch.int64)
+
+
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _signed(x: int) -> int:
+    """``x mod 2^64`` as the int64 with those bits."""
+    x %= 2**64
+    return x - 2**64 if x >= 2**63 else x
+
+
+def _lsr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (``>>`` on int64 is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finalizer on int64 bits (wraps mod 2^64, as the C++ ``mix64``)."""
+    z = z + _signed(_GOLDEN)
+    z = (z ^ _lsr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ _lsr(z, 27)) * _signed(0x94D049BB133111EB)
+    return z ^ _lsr(z, 31)
+
+
+def rounding_noise(
+    seed: int,
+    iteration: int,
+    row_keys: torch.Tensor,
+    col_start: int | torch.Tensor,
+    dim: int,
+) -> torch.Tensor:
+    """Uniform ``(U, dim)`` draws in (0, 1) for stochastic rounding of ``U`` rows.
+
+    Counter-based, as in the C++ kernel (the same bits): a function of the step's
+    ``(seed, iteration)``, the row's global key and the global column only, never of
+    which other rows the step touched or of how the table is sharded. Integer tensor
+    arithmetic on the rows' device (no host round trip).
+
+    Args:
+        seed: the collection's seed.
+        iteration: the backward pass's number.
+        row_keys: ``(U,)`` rounding keys of the rows (``TableSlice.row_key() + row``).
+        col_start: global column of the rows' first column: one for all rows, or a
+            ``(U,)`` int64 tensor, one per row.
+        dim: columns.
+    """
+    step = _signed((seed % 2**64) * _GOLDEN ^ (iteration % 2**64))
+    keys = row_keys.long()
+    key = _mix64(step ^ (keys * _signed(0xA24BAED4963EE407)))  # (U,)
+    m32 = 0xFFFFFFFF
+    lo, hi = (key & m32)[:, None], _lsr(key, 32)[:, None]
+    first = torch.as_tensor(col_start, device=keys.device).long().reshape(-1, 1)  # (1|U, 1)
+    cols = torch.arange(dim, device=keys.device)[None, :] + first  # (1|U, dim)
+    z = (lo + (cols & m32) * 0x9E3779B9) & m32  # uint32 arithmetic in int64
+    z = z ^ (z >> 16)
+    z = (z * 0x85EBCA6B) & m32
+    z = z ^ (z >> 13)
+    z = (z * 0xC2B2AE35) & m32
+    z = z ^ (z >> 16)
+    bits16 = ((z ^ hi) >> 8) & 0xFFFF
+    return (bits16.to(torch.float32) + 0.5) * (1.0 / 65536.0)
 
 
 def _per_id_grads(
@@ -262,6 +369,64 @@ def _check_ids_before_update(
                 f"tetrarec tbe backward: feature {f} (its index in the feature order): "
                 f"id {first} is outside its table of {rows[t]} rows"
             )
+
+
+def backward_update(
+    grad_out: torch.Tensor,
+    weights: torch.Tensor,
+    meta: list[torch.Tensor],
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    states: list[torch.Tensor],
+    state_offsets: list[torch.Tensor],
+    optimizer: str,
+    hparams: list[float],
+    precision: str,
+    flags: list[int],
+) -> torch.Tensor:
+    """Apply the fused optimizer to every row the batch touched; see ``ops.py``.
+
+    Returns:
+        ``(N,)`` gradient w.r.t. ``per_sample_weights`` (empty if none or not asked).
+    """
+    prec, kind = Precision(precision), OptimizerKind(optimizer)
+    offsets = offsets_from_lengths(lengths.long())
+    stochastic, seed, iteration, deterministic, want_psw_grad = flags
+    lr, eps, beta1, beta2, weight_decay = hparams
+    spec = SparseOptimizerSpec(
+        kind=kind, lr=lr, eps=eps, beta1=beta1, beta2=beta2, weight_decay=weight_decay
+    )
+    host = [m.tolist() for m in meta]
+    batch, width = grad_out.shape
+    _check_batch(host, "backward", "grad_out", width, batch, offsets, values, per_sample_weights)
+    _check_ids_before_update(values, offsets, host, batch)
+    w_off, dims, rows = host[0], host[1], host[2]
+    psw_grad = None
+    if per_sample_weights is not None and want_psw_grad:
+        psw_grad = torch.zeros_like(per_sample_weights)
+    st_off = [o.tolist() for o in state_offsets]
+    for t in sorted({t for t in host[4] if t >= 0}):
+        args = (grad_out, weights, host, t, values, offsets, per_sample_weights, psw_grad, prec)
+        uniq, g = _sum_duplicates(*_per_id_grads(*args), bool(deterministic))
+        view = table_view(weights, prec, w_off[t], rows[t], dims[t])
+        w = decode_rows(view[uniq], prec, dims[t])  # (U, D)
+        names = list(state_layout(kind, dims[t]).items())
+        st_views = [
+            s[o[t] : o[t] + rows[t] * width].view(rows[t], width)
+            for s, o, (_, width) in zip(states, st_off, names)
+        ]
+        st = {name: v[uniq] for (name, _), v in zip(names, st_views)}
+        OPTIM_RULES[kind](w, g, st, spec, lr)
+        noise = None
+        if stochastic and prec is not Precision.FP32:
+            noise = rounding_noise(seed, iteration, host[7][t] + uniq, host[8][t], dims[t])
+        view[uniq] = encode_rows(w, prec, stochastic=bool(stochastic), noise=noise)
+        for (name, _), v in zip(names, st_views):
+            v[uniq] = st[name]
+    if psw_grad is None:
+        return torch.empty(0, device=grad_out.device)
+    return psw_grad
 
 
 # -- DLRM dot interaction ---------------------------------------------------------------

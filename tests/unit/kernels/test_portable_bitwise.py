@@ -1,26 +1,23 @@
-"""The batched portable path gives the same bits as the per-table loop it replaced.
+"""The batched portable path (what a GPU runs) gives the same bits as the per-table loop.
 
-The oracle is the portable module as it was before the rewrite, kept importable as
-``benchmarks/_portable_before.py`` (also what ``bench_portable.py`` times). Every case
-runs two training steps (forward, backward, fused update) of the same module on both and
-compares outputs, rows, optimizer state and per-id weight gradients bit for bit.
+The oracle is the loop in ``kernels/reference.py`` (the definition, what the CPU runs
+with ``TETRAREC_KERNELS=reference``); the batched path is ``reference_batched.py``, run
+on the CPU with ``TETRAREC_KERNELS=batched``. Every case runs two training steps
+(forward, backward, fused update) of the same module on both and compares outputs,
+rows, optimizer state and per-id weight gradients bit for bit.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from tetrarec.embedding import SparseOptimizerSpec, TableConfig
-from tetrarec.kernels import reference
+from tetrarec.kernels import reference, reference_batched
 from tetrarec.kernels.tbe import FusedEmbeddingBagCollection
 from tetrarec.types import OptimizerKind, PoolingMode, Precision
-
-sys.path.insert(0, str(Path(__file__).parents[3] / "benchmarks"))
-import _portable_before as before
 
 KINDS = list(OptimizerKind)
 PRECISIONS = [Precision.FP32, Precision.FP16, Precision.BF16, Precision.INT8, Precision.INT4]
@@ -50,10 +47,8 @@ def _batch(ebc: FusedEmbeddingBagCollection, batch: int, seed: int):
     return values, lengths
 
 
-def _run(monkeypatch, impl, kind, precision, mean, weighted, stochastic):
-    monkeypatch.setenv("TETRAREC_KERNELS", "reference")
-    monkeypatch.setattr(reference, "pooled_forward", impl.pooled_forward)
-    monkeypatch.setattr(reference, "backward_update", impl.backward_update)
+def _run(monkeypatch, mode, kind, precision, mean, weighted, stochastic):
+    monkeypatch.setenv("TETRAREC_KERNELS", mode)
     spec = SparseOptimizerSpec(kind=kind, lr=0.07, weight_decay=0.01)
     ebc = FusedEmbeddingBagCollection(
         _tables(precision, mean), spec, seed=5, stochastic_rounding=stochastic
@@ -85,8 +80,8 @@ def test_two_steps_are_bitwise_the_per_table_loop(monkeypatch, kind, precision) 
     or updating a row of another table (any optimizer, any row precision)."""
     for mean, weighted, stochastic in ((True, False, True), (False, True, False)):
         args = (kind, precision, mean, weighted, stochastic)
-        want = _run(monkeypatch, before, *args)
-        got = _run(monkeypatch, reference, *args)
+        want = _run(monkeypatch, "reference", *args)
+        got = _run(monkeypatch, "batched", *args)
         assert len(got) == len(want)
         for i, (a, b) in enumerate(zip(got, want)):
             assert a.dtype == b.dtype, (i, args)
@@ -95,15 +90,13 @@ def test_two_steps_are_bitwise_the_per_table_loop(monkeypatch, kind, precision) 
 
 
 @pytest.mark.parametrize("bad", [-3, 40])
-def test_a_bad_id_gives_the_same_answer_as_before(monkeypatch, bad) -> None:
+def test_a_bad_id_gives_the_same_answer_as_the_loop(monkeypatch, bad) -> None:
     """Bug caught: the batched bounds check naming another feature or id than the
     per-table loop did (forward: the first feature with a bad id and its smallest bad
     id; backward: that feature's first bad id by position), or updating before it."""
-    monkeypatch.setenv("TETRAREC_KERNELS", "reference")
     answers = []
-    for impl in (before, reference):
-        monkeypatch.setattr(reference, "pooled_forward", impl.pooled_forward)
-        monkeypatch.setattr(reference, "backward_update", impl.backward_update)
+    for mode, impl in (("reference", reference), ("batched", reference_batched)):
+        monkeypatch.setenv("TETRAREC_KERNELS", mode)
         spec = SparseOptimizerSpec(kind=OptimizerKind.ADAGRAD, lr=0.1)
         ebc = FusedEmbeddingBagCollection(_tables(Precision.INT8, False), spec, seed=1)
         values, lengths = _batch(ebc, 4, 0)
@@ -123,10 +116,43 @@ def test_a_bad_id_gives_the_same_answer_as_before(monkeypatch, bad) -> None:
     assert answers[0] == answers[1]
 
 
-def test_rounding_noise_is_the_numpy_draw() -> None:
-    """Bug caught: the tensor port of the counter-based hash (int64 wrap-around, a
-    logical shift done arithmetically) drawing other bits than the C++/numpy one."""
-    keys = torch.cat([torch.arange(50), torch.tensor([2**40 + 7, 2**62 + 3, 2**63 - 1])])
-    for seed, iteration, col in ((0, 0, 0), (2**64 - 1, 12345, 7), (-5, 2**70, 300)):
-        want = before.rounding_noise(seed, iteration, keys, col, 9)
-        assert torch.equal(reference.rounding_noise(seed, iteration, keys, col, 9), want)
+def _spy(monkeypatch, module: Any, calls: list[str]) -> None:
+    """Record each call of ``module``'s forward and backward + update, then run it."""
+    for name in ("pooled_forward", "backward_update"):
+        real = getattr(module, name)
+
+        def spy(*args: Any, _real: Any = real, _name: str = name) -> Any:
+            calls.append(f"{module.__name__.rsplit('.', 1)[-1]}.{_name}")
+            return _real(*args)
+
+        monkeypatch.setattr(module, name, spy)
+
+
+@pytest.mark.parametrize(
+    ("mode", "runs"), [("reference", "reference"), ("batched", "reference_batched")]
+)
+def test_each_mode_runs_its_portable_path_on_the_cpu(monkeypatch, mode, runs) -> None:
+    """Bug caught: ``TETRAREC_KERNELS=batched`` running the loop (or the compiled
+    kernel) on the CPU, so the CPU lanes never run what a GPU runs, or ``reference``
+    running the batched path, so the definition is never run against it."""
+    monkeypatch.setenv("TETRAREC_KERNELS", mode)
+    calls: list[str] = []
+    _spy(monkeypatch, reference, calls)
+    _spy(monkeypatch, reference_batched, calls)
+    spec = SparseOptimizerSpec(kind=OptimizerKind.SGD, lr=0.1)
+    ebc = FusedEmbeddingBagCollection(_tables(Precision.FP32, False), spec, seed=1)
+    values, lengths = _batch(ebc, 4, 0)
+    out = ebc.pool_ids(values, lengths, None)
+    ebc.update_ids(out, values, lengths, None)
+    assert calls == [f"{runs}.pooled_forward", f"{runs}.backward_update"]
+
+
+def test_every_kernel_mode_names_a_portable_path_for_the_cpu() -> None:
+    """Bug caught: a ``TETRAREC_KERNELS`` mode added to ``_build`` with no portable path
+    in ``ops._CPU_PORTABLE`` (a KeyError at the first op call without the compiled
+    kernel), or ``batched`` mapped to the loop."""
+    from tetrarec.kernels import _build, ops
+
+    assert set(ops._CPU_PORTABLE) == set(_build._MODES)
+    assert ops._CPU_PORTABLE["batched"] is reference_batched
+    assert ops._CPU_PORTABLE["reference"] is reference

@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tetrarec.embedding import SparseOptimizerSpec, TableConfig
-from tetrarec.kernels import ops, reference
+from tetrarec.kernels import ops, reference_batched
 from tetrarec.kernels.tbe import FusedEmbeddingBagCollection
 from tetrarec.sparse import SparseFeatures
 from tetrarec.types import OptimizerKind, PoolingMode, Precision
@@ -203,10 +203,10 @@ def test_one_training_step_syncs_at_most_the_documented_constant(
     kind: OptimizerKind, precisions: tuple[Precision, ...]
 ) -> None:
     """Bug caught: a host read per table (or per id) in the portable forward or fused
-    backward + update, or one more per step than ``reference.HOST_SYNCS_PER_CALL``
+    backward + update, or one more per step than ``reference_batched.HOST_SYNCS_PER_CALL``
     documents (forward and backward are one call each per row store)."""
     total, stores, calls = _count_step(kind, precisions)
-    allowed = stores * (2 * reference.HOST_SYNCS_PER_CALL + _MODULE_SYNCS_PER_STORE)
+    allowed = stores * (2 * reference_batched.HOST_SYNCS_PER_CALL + _MODULE_SYNCS_PER_STORE)
     assert total <= allowed, f"{total} host syncs in one step (allowed {allowed}): {calls}"
 
 
@@ -232,5 +232,5 @@ def test_a_weighted_step_syncs_at_most_the_documented_constant() -> None:
     """Bug caught: a host read in the per-id weights' path (their gradient, their
     scaling of the rows), which the unweighted matrix does not run."""
     total, stores, calls = _count_step(OptimizerKind.ROWWISE_ADAGRAD, (Precision.INT4,), True)
-    allowed = stores * (2 * reference.HOST_SYNCS_PER_CALL + _MODULE_SYNCS_PER_STORE)
+    allowed = stores * (2 * reference_batched.HOST_SYNCS_PER_CALL + _MODULE_SYNCS_PER_STORE)
     assert total <= allowed, f"{total} host syncs in one step (allowed {allowed}): {calls}"
