@@ -5,7 +5,8 @@ a few batched tensor operations over every id of a row store, with no Python loo
 tables or ids and one host read per call (``HOST_SYNCS_PER_CALL``). The results are bit
 for bit those of the per-table loop in ``reference.py`` (the definition, and what the
 CPU runs without the compiled kernels: its per-table working set stays in cache, which
-makes it 2-2.5x faster there): every sum adds the same terms in the same order.
+makes it 2-2.5x faster there): every sum adds the same terms in the same order, so on
+one device (a GPU in deterministic mode too) the two give the same bits.
 
 Legend: N ids, F features, B batch, T tables of the store, U touched rows, D a table's
 dim, Dmax the store's widest, W a row's storage width.
