@@ -23,7 +23,9 @@ Lookups run through a backend of ``BACKENDS`` (a registry, the only dispatch):
   of consecutive features whose tables share a precision, dim and pooling is one call
   on their stacked rows (a copy in PyTorch's layout, made on first use);
 - ``auto`` (the default): per precision, the path that measured faster
-  (``TORCH_FASTER``, from ``benchmarks/bench_inference_kernels.py``).
+  (``TORCH_FASTER`` and ``TETRAREC_UP_TO_DIM``, from
+  ``benchmarks/bench_inference_kernels.py``): PyTorch's bags for INT8/INT4 tables wider
+  than 32, tetrarec's kernel for every other table.
 
 All give the same sums up to the order of additions. ``InferenceEmbeddingBags.backend``
 says which backend a model runs and ``lookup_paths`` which kernel each precision's
@@ -51,6 +53,7 @@ from tetrarec.types import OptimizerKind, PoolingMode, Precision
 __all__ = [
     "BACKENDS",
     "DEFAULT_BACKEND",
+    "TETRAREC_UP_TO_DIM",
     "TORCH_FASTER",
     "InferenceEmbeddingBags",
     "LookupBackend",
@@ -200,13 +203,33 @@ class InferenceEmbeddingBags(nn.Module):
             features = permute_keys(features, self.feature_names)
         values, lengths = features.values, features.lengths
         batch = features.batch_size
-        per_feature = lengths.view(len(self.feature_names), batch).sum(1)  # (F,)
-        self._check_ids(values, per_feature)
-        if self._remapped:
-            values = self._remap_ids(values, per_feature)
+        backend = BACKENDS[self.backend]
+        # Where tetrarec's kernel pools every table of an unpruned model, it checks the
+        # ids itself, in the same pass (a remap or PyTorch's bags need them checked first):
+        # the separate pass over the ids cost a third of a pooling-1 lookup.
+        in_kernel = not self._remapped and not backend.on_torch(self, values.device)
+        if not in_kernel:
+            per_feature = lengths.view(len(self.feature_names), batch).sum(1)  # (F,)
+            self._check_ids(values, per_feature)
+            if self._remapped:
+                values = self._remap_ids(values, per_feature)
         out = torch.empty(batch, sum(self.feature_dims), device=values.device)  # (B, sum D)
-        BACKENDS[self.backend](self, values, lengths, features.weights, out)
+        bad = backend(self, values, lengths, features.weights, out, check=in_kernel)
+        if bad:
+            self._raise_bad_ids(torch.stack(bad))
         return PooledEmbeddings(self.feature_names, self.feature_dims, out)
+
+    def _raise_bad_ids(self, reports: torch.Tensor) -> None:
+        """Raise for the first feature's smallest bad id among the kernel's reports.
+
+        ``reports``: ``(stores, 2)`` int64, each ``(feature, id)`` or ``(-1, -1)``; one
+        host sync.
+        """
+        found = [(f, i) for f, i in reports.tolist() if f >= 0]
+        if found:
+            f, bad = min(found)
+            name = self.feature_names[f]
+            check_ids(name, torch.tensor([bad]), int(self._feature_rows(reports.device)[f]))
 
     def _feature_rows(self, device: torch.device) -> torch.Tensor:
         """``(F,)`` int64: the ids each feature's table answers, on ``device`` (built once)."""
@@ -310,14 +333,24 @@ def _tetrarec_stores(
     weights: torch.Tensor | None,
     out: torch.Tensor,
     skip: frozenset[Precision],
-) -> None:
-    """Tetrarec's kernel, one call per store (precision) not in ``skip``."""
+    check: bool,
+) -> list[torch.Tensor]:
+    """Tetrarec's kernel, one call per store (precision) not in ``skip``.
+
+    Returns:
+        With ``check``, each call's ``(feature, id)`` report of the first bad id (the
+        kernel skips it), else nothing.
+    """
+    reports = []
     for s, store in enumerate(module.stores):
         if store.precision not in skip:
-            ops.tbe_forward(
+            bad = ops.tbe_forward(
                 module.storage(s), module.meta(s), values, lengths, weights, out,
-                store.precision.value, False,
+                store.precision.value, check,
             )  # fmt: skip
+            if check:
+                reports.append(bad)
+    return reports
 
 
 @dataclass(frozen=True)
@@ -473,11 +506,14 @@ class LookupBackend:
     ``torch_precisions`` is a subset of FP32 (``F.embedding_bag``), INT8 and INT4
     (PyTorch's row-wise quantized bags; it has no FP16/BF16 bag that sums in FP32);
     every other precision runs tetrarec's kernel. Called as
-    ``backend(module, key-major ids, lengths, per-id weights or None, out (B, sum D))``:
-    fills ``out`` with every feature's pooled rows.
+    ``backend(module, key-major ids, lengths, per-id weights or None, out (B, sum D),
+    check=...)``: fills ``out`` with every feature's pooled rows.
     """
 
     torch_precisions: frozenset[Precision]
+    #: Keep a precision on tetrarec's kernel where none of its tables is wider than this
+    #: (``None``: no such rule).
+    tetrarec_up_to_dim: int | None = None
 
     def on_torch(
         self, module: InferenceEmbeddingBags, device: torch.device
@@ -487,16 +523,29 @@ class LookupBackend:
         None off the CPU (PyTorch's quantized bags are CPU kernels), and a precision
         only where PyTorch takes every one of its tables: its 4-bit bag reads an odd
         dim as one more column, so a module with an odd-dim INT4 table (a first-order
-        term's dim-1 table) pools its INT4 tables with tetrarec's kernel.
+        term's dim-1 table) pools its INT4 tables with tetrarec's kernel. With
+        ``tetrarec_up_to_dim``, a precision whose tables are all that narrow stays on
+        tetrarec's kernel.
         """
         if device.type != "cpu":
             return frozenset()
         odd_int4 = any(t.precision is Precision.INT4 and t.dim % 2 for t in module.tables)
-        return self.torch_precisions - ({Precision.INT4} if odd_int4 else set())
+        keep = {Precision.INT4} if odd_int4 else set()
+        if self.tetrarec_up_to_dim is not None:
+            widest: dict[Precision, int] = {}
+            for t in module.tables:
+                widest[t.precision] = max(widest.get(t.precision, 0), t.dim)
+            keep |= {p for p, d in widest.items() if d <= self.tetrarec_up_to_dim}
+        return self.torch_precisions - keep
 
-    def path(self, precision: Precision) -> str:
-        """``"torch"`` or ``"tetrarec"``: which kernel pools tables of ``precision``."""
-        return "torch" if precision in self.torch_precisions else "tetrarec"
+    def path(self, precision: Precision, dim: int) -> str:
+        """``"torch"`` or ``"tetrarec"``: which kernel pools a table on the CPU.
+
+        For a table of ``precision`` and ``dim``, where no other table of its precision
+        is wider.
+        """
+        narrow = self.tetrarec_up_to_dim is not None and dim <= self.tetrarec_up_to_dim
+        return "torch" if precision in self.torch_precisions and not narrow else "tetrarec"
 
     def __call__(
         self,
@@ -505,30 +554,45 @@ class LookupBackend:
         lengths: torch.Tensor,
         weights: torch.Tensor | None,
         out: torch.Tensor,
-    ) -> None:
+        *,
+        check: bool = False,
+    ) -> list[torch.Tensor]:
         """Pool every feature into ``out``.
 
         PyTorch's quantized bags have CPU kernels only: on another device (CUDA) every
         table runs tetrarec's kernel (its portable path there).
+
+        Returns:
+            With ``check`` (only where tetrarec's kernel pools every table), each kernel
+            call's ``(feature, id)`` report of the first id outside its table, or
+            ``(-1, -1)``; the bad ids were skipped. Without, an empty list.
         """
         on_torch = self.on_torch(module, values.device)
-        _tetrarec_stores(module, values, lengths, weights, out, on_torch)
+        if check and on_torch:
+            raise ValueError("the kernel checks ids only where it pools every table")
+        reports = _tetrarec_stores(module, values, lengths, weights, out, on_torch, check)
         _torch_tables(module, values, lengths, weights, out, on_torch)
+        return reports
 
 
-#: The precisions whose PyTorch bags measured faster than tetrarec's kernel at batch
-#: 2048 (``benchmarks/bench_inference_kernels.py --only tables``, results in
-#: benchmarks/results/inference_kernels.md): INT8 (0.80x and 0.94x of tetrarec's time on
-#: 26 x 20k dim 64 pooling 20 and 26 x 100k dim 16 pooling 1) and INT4 (0.44x; 1.03x),
-#: not FP32 (1.02x; 1.45x). ``auto`` runs those on PyTorch's ops.
+#: The precisions whose PyTorch bags can be faster than tetrarec's kernel, and the widest
+#: dim at which tetrarec's measured faster all the same (batch 2048, 1 thread; 26 tables;
+#: ``benchmarks/bench_inference_kernels.py --only tables``, results in
+#: benchmarks/results/inference_kernels.md): at dim 16 tetrarec's INT8 and INT4 rows pool
+#: in 0.75-0.8x PyTorch's time at pooling 1 and 0.8-1.0x at pooling 20; at dim 64
+#: PyTorch's take 0.7-0.9x (INT8) and 0.25x (INT4) of tetrarec's. FP32 is not in the set
+#: (PyTorch's ``F.embedding_bag`` took 1.0-1.75x tetrarec's time). ``auto`` runs a
+#: precision on PyTorch's bags unless none of its tables is wider than
+#: ``TETRAREC_UP_TO_DIM``.
 TORCH_FASTER: frozenset[Precision] = frozenset({Precision.INT8, Precision.INT4})
+TETRAREC_UP_TO_DIM = 32
 
 
 #: The lookup backends, by name (the only dispatch on them).
 BACKENDS: dict[str, LookupBackend] = {
     "tetrarec": LookupBackend(frozenset()),
     "torch": LookupBackend(frozenset(_POOL)),
-    "auto": LookupBackend(TORCH_FASTER),
+    "auto": LookupBackend(TORCH_FASTER, TETRAREC_UP_TO_DIM),
 }
 #: The backend a model loads with: the faster path per precision, as measured.
 DEFAULT_BACKEND = "auto"

@@ -18,6 +18,7 @@ from tetrarec.embedding import TableConfig
 from tetrarec.inference.embeddings import (
     BACKENDS,
     DEFAULT_BACKEND,
+    TETRAREC_UP_TO_DIM,
     TORCH_FASTER,
     InferenceEmbeddingBags,
 )
@@ -157,20 +158,31 @@ def test_both_lookup_paths_give_the_same_sums(
 
 
 def test_auto_is_the_default_and_says_which_path_each_precision_takes() -> None:
-    """Catches the measured choice not being the default, or a path report that does
-    not match what runs."""
+    """Catches the measured choice not being the default, a path report that does not
+    match what runs, or the narrow-table rule not applied (tables of dims 6-8 stay on
+    tetrarec's kernel; one INT8/INT4 table wider than ``TETRAREC_UP_TO_DIM`` moves its
+    precision to PyTorch's bags)."""
     assert DEFAULT_BACKEND == "auto"
+    wide = TETRAREC_UP_TO_DIM + 8
     for precision in (Precision.FP32, Precision.FP16, Precision.INT8, Precision.INT4):
         fp32 = _fp32_rows()
         stored = {n: convert_rows(r, Precision.FP32, precision, DIMS[n]) for n, r in fp32.items()}
         bags = InferenceEmbeddingBags(_tables(precision, PoolingMode.SUM), stored)
-        want = "torch" if precision in TORCH_FASTER else "tetrarec"
         assert bags.backend == "auto"
-        assert bags.lookup_paths == {precision: want}
+        assert bags.lookup_paths == {precision: "tetrarec"}
         assert InferenceEmbeddingBags(
             _tables(precision, PoolingMode.SUM), stored, backend="tetrarec"
         ).lookup_paths == {precision: "tetrarec"}
-    assert BACKENDS["torch"].path(Precision.FP16) == "tetrarec"  # PyTorch has no FP16 bag
+        tables = [
+            *_tables(precision, PoolingMode.SUM),
+            TableConfig(name="w", num_embeddings=ROWS, dim=wide, precision=precision),
+        ]
+        stored["w"] = convert_rows(torch.randn(ROWS, wide), Precision.FP32, precision, wide)
+        want = "torch" if precision in TORCH_FASTER else "tetrarec"
+        assert InferenceEmbeddingBags(tables, stored).lookup_paths == {precision: want}
+        assert BACKENDS["auto"].path(precision, wide) == want
+        assert BACKENDS["auto"].path(precision, TETRAREC_UP_TO_DIM) == "tetrarec"
+    assert BACKENDS["torch"].path(Precision.FP16, 64) == "tetrarec"  # PyTorch has no FP16 bag
 
 
 def test_unknown_backend_is_a_clear_error() -> None:
@@ -283,7 +295,7 @@ def test_an_odd_dim_int4_table_pools_with_tetrarecs_kernel() -> None:
         )
         for t in tables
     }
-    bags = InferenceEmbeddingBags(tables, stored, backend="auto")
+    bags = InferenceEmbeddingBags(tables, stored, backend="torch")
     assert bags.lookup_paths == {Precision.INT4: "tetrarec", Precision.INT8: "torch"}
     features = SparseFeatures.from_lists({t.name: [[1, 2], [8]] for t in tables})
     want = InferenceEmbeddingBags(tables, stored, backend="tetrarec")(features).values
