@@ -32,9 +32,11 @@ demo: $(VENV)/.stamp-base
 
 test: lint
 	$(PY) -m pytest -q
-	@# The sharded paths again on the portable PyTorch kernels, the ones a GPU runs (this
-	@# lane found a storage-offset bug in their column copies that the compiled kernels hid).
+	@# The sharded paths again on the portable PyTorch kernels: the per-table loop (this
+	@# lane found a storage-offset bug in their column copies that the compiled kernels
+	@# hid), then the batched path a GPU runs (about 50 s each on 2 cores).
 	TETRAREC_KERNELS=reference $(PY) -m pytest -q tests/distributed/test_sharding_equivalence.py
+	TETRAREC_KERNELS=batched $(PY) -m pytest -q tests/distributed/test_sharding_equivalence.py
 
 # ruff, then mypy --strict on the package (settings in pyproject.toml); mypy keeps its
 # incremental cache in .mypy_cache, so a re-run checks only what changed.

@@ -23,7 +23,11 @@ implementation sees the same mix of quiet and busy spells of a shared machine. A
 ``vs_X`` is the median over rounds of X's median step time in that round over this
 implementation's. Workers that do not fit together in ``--max-gib`` are split into
 groups that each hold the first baseline (FBGEMM, else torch); a ratio between two
-implementations timed in different groups is marked in ``not_interleaved``.
+implementations timed in different groups is marked in ``not_interleaved``. Every
+implementation that fits alone is timed (the baseline alone if nothing fits beside
+it); a requested one that cannot run (FBGEMM not importable or without the optimizer,
+a worker over ``--max-gib`` alone) is printed as ``NOT RUN`` with its reason and
+listed in the JSON's ``not_run``.
 
 ``--sweep`` varies the shape around a centre point (one factor at a time, plus corners
 that combine the extremes): see ``sweep_points``. ``--breakdown`` (on in the sweep)
@@ -531,18 +535,25 @@ class Worker:
 
 def impl_names(args: argparse.Namespace) -> list[str]:
     """Implementations to run, baselines first (the first one anchors every group)."""
+    return requested_impls(args)[0]
+
+
+def requested_impls(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """``(names, not_run)``: what runs, baselines first, and each requested
+    implementation that cannot run with the reason (printed and in the JSON)."""
     wanted = args.impls.split(",")
-    names = []
+    names: list[str] = []
+    not_run: dict[str, str] = {}
     if "fbgemm" in wanted:
         if args.optimizer not in FBGEMM_OPTIMIZERS:
-            print(f"fbgemm-cpu has no CPU {args.optimizer}: it sits this run out", file=sys.stderr)
+            not_run["fbgemm-cpu"] = f"FBGEMM has no CPU {args.optimizer}"
         else:
             try:
                 import fbgemm_gpu  # noqa: F401
 
                 names.append("fbgemm-cpu")
             except Exception as exc:  # optional comparison target, never a dependency
-                print(f"fbgemm_gpu not importable ({exc}); skipping it", file=sys.stderr)
+                not_run["fbgemm-cpu"] = f"fbgemm_gpu not importable ({exc})"
     if "torch" in wanted:
         names.append("torch-embeddingbag")
     if "tetrarec" in wanted:
@@ -552,22 +563,45 @@ def impl_names(args: argparse.Namespace) -> list[str]:
                 names.append(f"tetrarec-{p}-nondet")
             if args.small_pages:
                 names.append(f"tetrarec-{p}-smallpages")
-    return names
+    for impl, why in not_run.items():
+        print(f"NOT RUN: {impl}: {why}", file=sys.stderr)
+    return names, not_run
+
+
+def too_big(impls: list[str], point: Point, args: argparse.Namespace) -> dict[str, str]:
+    """Each of ``impls`` whose worker alone needs more than ``--max-gib``, with why."""
+    gib = {i: estimate_gib(i, point, args.optimizer) for i in impls}
+    return {
+        i: f"needs {g:.1f} GiB alone at {point}, over --max-gib {args.max_gib:g}"
+        for i, g in gib.items()
+        if g > args.max_gib
+    }
 
 
 def plan_groups(impls: list[str], point: Point, args: argparse.Namespace) -> list[list[str]]:
-    """Split ``impls`` into groups whose workers fit in ``--max-gib`` together; every
-    group holds the anchor (``impls[0]``) where it fits beside it."""
+    """Split ``impls`` into groups whose workers fit in ``--max-gib`` together.
+
+    Every implementation that fits alone is in a group (the anchor ``impls[0]`` too,
+    alone if nothing fits beside it); every group holds the anchor where it fits beside
+    it. Those that do not fit alone are left out: ``too_big`` names them.
+    """
     gib = {i: estimate_gib(i, point, args.optimizer) for i in impls}
-    anchor, groups, cur = impls[0], [], [impls[0]]
-    for impl in impls[1:]:
+    fits = [i for i in impls if gib[i] <= args.max_gib]
+    anchor = impls[0] if impls and impls[0] in fits else None
+    groups: list[list[str]] = []
+    cur = [anchor] if anchor else []
+    for impl in (i for i in fits if i != anchor):
         if sum(gib[i] for i in cur) + gib[impl] <= args.max_gib:
             cur.append(impl)
             continue
-        if len(cur) > 1 or cur[0] != anchor:
+        if cur != [anchor]:  # the anchor alone waits: a later group may hold it
             groups.append(cur)
-        cur = [anchor, impl] if gib[anchor] + gib[impl] <= args.max_gib else [impl]
-    groups.append(cur)
+        beside = anchor is not None and gib[anchor] + gib[impl] <= args.max_gib
+        cur = [anchor, impl] if beside else [impl]
+    if cur:
+        groups.append(cur)
+    if anchor is not None and not any(anchor in g for g in groups):
+        groups.insert(0, [anchor])  # it fits beside nobody: timed alone, never dropped
     return groups
 
 
@@ -677,8 +711,12 @@ def add_ratios(results: list[dict[str, Any]], bandwidth: float) -> None:
             r["vs_gather"] = r["step_ms"] / gather["step_ms"]
 
 
-def run_all(args: argparse.Namespace, passthrough: list[str]) -> list[dict[str, Any]]:
-    impls = impl_names(args)
+def run_all(
+    args: argparse.Namespace, passthrough: list[str], not_run: list[dict[str, str]]
+) -> list[dict[str, Any]]:
+    """Every point for every implementation; appends to ``not_run`` what cannot run."""
+    impls, skipped = requested_impls(args)
+    not_run += [{"impl": i, "reason": why} for i, why in skipped.items()]
     if not impls:
         raise SystemExit("nothing to run: no implementation is available")
     points = base_points(args)
@@ -691,6 +729,9 @@ def run_all(args: argparse.Namespace, passthrough: list[str]) -> list[dict[str, 
     with tempfile.TemporaryDirectory(prefix="bench-embedding-") as d:
         for shape_points in shapes.values():
             biggest = max(shape_points, key=lambda p: p.batch * p.pooling)
+            for impl, why in too_big(impls, biggest, args).items():
+                print(f"NOT RUN: {impl}: {why}", file=sys.stderr)
+                not_run.append({"impl": impl, "reason": why})
             for group in plan_groups(impls, biggest, args):
                 results += measure_group(group, shape_points, workers, args, Path(d))
                 for impl in group:
@@ -712,7 +753,8 @@ def main(argv: list[str] | None = None) -> None:
         del raw[i : i + 2]
     torch.set_num_threads(args.threads)
     bandwidth = memcopy_gbps(64 if args.smoke else 512)
-    results = run_all(args, raw)
+    not_run: list[dict[str, str]] = []
+    results = run_all(args, raw, not_run)
     add_ratios(results, bandwidth)
     cols = ["impl", "optimizer", "kernels", "tables", "rows", "dim", "batch", "pooling"]
     cols += ["samples_per_s", "step_ms", "vs_torch", "vs_fbgemm", "vs_fp32", "vs_gather"]
@@ -723,6 +765,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"tetrarec kernels: {kernel_line(results, isa)}")
     print(f"memcopy bandwidth: {bandwidth:.1f} GB/s (read + write)")
     print_table(results, cols)
+    for miss in not_run:  # a requested implementation never disappears silently
+        print(f"NOT RUN: {miss['impl']}: {miss['reason']}")
     if any(r["not_interleaved"] for r in results):
         print("ratios not from interleaved rounds (different groups): see not_interleaved")
     if args.sweep:
@@ -730,7 +774,8 @@ def main(argv: list[str] | None = None) -> None:
     config = {k: v for k, v in vars(args).items() if k not in ("json", "serve", "start")}
     config["memcopy_gbps"] = bandwidth
     config["points"] = [asdict(p) for p in base_points(args)]
-    write_json(args.json, config, results, kernels={"isa": isa, "ran": kernel_line(results, isa)})
+    kernels = {"isa": isa, "ran": kernel_line(results, isa)}
+    write_json(args.json, config, results, kernels=kernels, not_run=not_run)
 
 
 def kernel_line(results: list[dict[str, Any]], isa: dict[str, Any] | None) -> str:

@@ -23,6 +23,8 @@ except ImportError:  # pragma: no cover - hypothesis is a test extra
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+# Read once, before any test sets the variable (see ``portable_mode``).
+_RUN_MODE = os.environ.get("TETRAREC_KERNELS", "").strip().lower()
 
 
 @pytest.fixture(autouse=True)
@@ -38,6 +40,14 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real data samples not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture
+def portable_mode() -> str:
+    """The ``TETRAREC_KERNELS`` mode of the portable path the tests that force one run on
+    the CPU: the per-table loop (``reference``), or the batched path a GPU runs
+    (``batched``) when the whole run is started under ``TETRAREC_KERNELS=batched``."""
+    return "batched" if _RUN_MODE == "batched" else "reference"
 
 
 @pytest.fixture

@@ -25,6 +25,9 @@ SCRIPTS = sorted(p.name for p in BENCH.glob("bench_*.py"))
 NEEDS_SHARED_DATA = {"bench_quality.py"}
 # Plan on paper: no kernel runs, and the report says so ("none").
 NO_KERNELS = {"bench_planner.py", "bench_tiers.py"}  # tiers: stores, no kernel
+# Times the portable paths on purpose (the per-table loop against the batched path),
+# whatever is compiled.
+PORTABLE_ONLY = {"bench_portable.py"}
 
 
 def _run(script: str, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Any:
@@ -75,10 +78,15 @@ def test_benchmark_smoke(script: str, tmp_path: Path) -> None:
     expected = "compiled" if compiled_cpu_kernels() is not None else "portable"
     if script in NO_KERNELS:
         expected = "none"
+    if script in PORTABLE_ONLY:
+        expected = "portable"
     paths = ("compiled", "portable", "none")  # tetrarec's; FBGEMM's rows say "fbgemm"
     ran = [r["kernels"] for r in payload["results"] if r.get("kernels") in paths]
     assert ran, "no row says which tetrarec kernel path ran"
     assert set(ran) == {expected}, ran
+    if script in PORTABLE_ONLY:  # before: the per-table loop, after: what a GPU runs
+        modes = {r["impl"].split()[0]: r["mode"] for r in payload["results"]}
+        assert modes == {"before": "reference", "after": "batched"}, modes
     if script == "bench_data.py":
         sample = _bench_module("bench_data").SAMPLE
         assert payload["config"]["criteo_sample"] == ("real" if sample.exists() else "synthetic")

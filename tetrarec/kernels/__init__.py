@@ -1,9 +1,12 @@
 """Table-batched embedding kernels: pooled lookup and fused backward + sparse optimizer.
 
 Rows are stored in FP32, FP16, BF16, INT8 or INT4 and computed in FP32. The portable
-PyTorch path (``reference.py``) runs on any device; a compiled CPU kernel (``csrc/``,
-built on first use) sits behind the same ``tetrarec::`` ops (``ops.py``).
-``TETRAREC_KERNELS=reference`` forces the portable path. ``build_cpu_kernels()`` builds
+PyTorch path runs on any device (``reference_batched.py``: all tables in a few batched
+operations, no host reads in a step); a compiled CPU kernel (``csrc/``, built on first
+use) sits behind the same ``tetrarec::`` ops (``ops.py``), and where it cannot build the
+CPU runs the per-table loop (``reference.py``, the definition; the same bits).
+``TETRAREC_KERNELS=reference`` forces the loop on the CPU, ``TETRAREC_KERNELS=batched``
+the batched path a GPU runs (modes: ``_build.py``). ``build_cpu_kernels()`` builds
 (or loads from the cache) the compiled kernel ahead of time; ``make demo`` and
 ``make test`` call it during set-up, so no run pays the build. ``LocalLookup``
 (``lookup.py``) is the protocol the sharding code runs every local lookup module through.

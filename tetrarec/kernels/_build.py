@@ -17,11 +17,20 @@ from every checkout (compiled from the checkouts' own paths, each checkout's fir
 would rebuild the other's).
 
 If compilation fails (no compiler, no ninja, a compile error), one warning is logged and
-the portable PyTorch path in ``reference.py`` runs instead, unless a failed build must
-be an error: with ``TETRAREC_KERNELS=compiled``, or in CI (``CI`` set to ``true``/``1``,
-as CI services and ``.ci/run`` set it), where a broken kernel must fail the run rather
-than turn the compiled-path tests into skips. ``TETRAREC_KERNELS=reference`` forces the
-portable path.
+the portable PyTorch path in ``reference.py`` (the per-table loop) runs instead, unless a
+failed build must be an error: with ``TETRAREC_KERNELS=compiled``, or in CI (``CI`` set
+to ``true``/``1``, as CI services and ``.ci/run`` set it), where a broken kernel must
+fail the run rather than turn the compiled-path tests into skips.
+
+``TETRAREC_KERNELS`` (any case):
+
+- ``auto`` (unset): the compiled kernels, else the per-table loop after a failed build;
+- ``compiled``: the compiled kernels, a failed build is an error;
+- ``reference``: the per-table loop (``reference.py``), nothing is compiled;
+- ``batched``: the batched portable path (``reference_batched.py``), nothing is compiled:
+  what a GPU runs, so CPU tests can exercise it (2-2.5x slower than the loop on a CPU).
+
+Other devices always run the batched path; the mode chooses the CPU's kernel only.
 """
 
 from __future__ import annotations
@@ -47,14 +56,15 @@ _LDFLAGS = ("-fopenmp",)
 _LOCK = threading.Lock()
 _STATE: dict[str, ModuleType | None] = {}
 _ERRORS: dict[str, str] = {}  # why a build failed, for the errors of later calls
-_MODES = ("auto", "reference", "compiled")
+_MODES = ("auto", "reference", "batched", "compiled")
+_PORTABLE_MODES = ("reference", "batched")  # nothing is compiled
 
 
 def kernel_mode() -> str:
     """The value of ``TETRAREC_KERNELS`` (``auto`` when unset).
 
     Raises:
-        ValueError: for a value other than auto, reference or compiled.
+        ValueError: for a value other than auto, reference, batched or compiled.
     """
     mode = os.environ.get("TETRAREC_KERNELS", "auto").lower()
     if mode not in _MODES:
@@ -178,7 +188,7 @@ def compiled_cpu_kernels() -> ModuleType | None:
             raises it again, naming the build's error.
     """
     mode = kernel_mode()
-    if mode == "reference":
+    if mode in _PORTABLE_MODES:
         return None
     with _LOCK:
         if "cpu" not in _STATE:
@@ -208,11 +218,11 @@ def kernel_path() -> str:
 
     Returns:
         ``"compiled"`` when the compiled CPU kernels are loaded in this process,
-        ``"portable"`` when the portable PyTorch path runs instead (forced by
-        ``TETRAREC_KERNELS=reference`` or after a failed build), ``"none"`` when no
-        CPU kernel has been asked for yet.
+        ``"portable"`` when a portable PyTorch path runs instead (forced by
+        ``TETRAREC_KERNELS=reference`` or ``batched``, or after a failed build),
+        ``"none"`` when no CPU kernel has been asked for yet.
     """
-    if kernel_mode() == "reference":
+    if kernel_mode() in _PORTABLE_MODES:
         return "portable"
     if "cpu" not in _STATE:
         return "none"

@@ -1,8 +1,13 @@
 """The ``tetrarec::`` ops: the only entry points the rest of the code calls.
 
 Each op is defined once with ``torch.library.custom_op``; its default implementation is
-the portable one in ``reference.py`` (any device), and the CPU kernel is the compiled
-one from ``csrc/`` when it builds (see ``_build.py``). Callers never branch on device.
+the portable one (any device: ``reference_batched.py`` for the table-batched forward and
+backward + update, with no host reads in a step; ``reference.py`` for the rest), and the
+CPU kernel is the compiled one from ``csrc/`` when it builds (see ``_build.py``), else
+the portable path ``_CPU_PORTABLE`` names for the ``TETRAREC_KERNELS`` mode: the
+per-table loop in ``reference.py`` (the definition, and 2-2.5x faster than the batched
+path on a CPU), or with ``TETRAREC_KERNELS=batched`` what a GPU runs. Callers never
+branch on device.
 The names exported here wrap each op (``_eager_cpu_path``): a plain eager call on CPU
 tensors runs the CPU kernel without the custom op's Python layers (about 90 us a call);
 tracing, fake tensors, other devices and autograd go through the op itself
@@ -47,8 +52,8 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-from tetrarec.kernels import reference
-from tetrarec.kernels._build import compiled_cpu_kernels
+from tetrarec.kernels import reference, reference_batched
+from tetrarec.kernels._build import compiled_cpu_kernels, kernel_mode
 
 __all__ = [
     "copy_row_runs",
@@ -78,6 +83,21 @@ _func_transform: Callable[[], object] = getattr(
     torch._C._functorch, "peek_interpreter_stack", lambda: True
 )
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # no __torch_function__ of their own
+
+#: The portable table-batched forward and backward + update the CPU runs when the
+#: compiled kernel does not, by ``TETRAREC_KERNELS`` mode (``_build.kernel_mode``): the
+#: per-table loop, or with ``batched`` what every other device runs (the same bits).
+_CPU_PORTABLE: dict[str, ModuleType] = {
+    "auto": reference,
+    "compiled": reference,
+    "reference": reference,
+    "batched": reference_batched,
+}
+
+
+def _cpu_portable() -> ModuleType:
+    """The portable module the CPU runs in this ``TETRAREC_KERNELS`` mode (read now)."""
+    return _CPU_PORTABLE[kernel_mode()]
 
 
 def _plain_eager_cpu(args: tuple[Any, ...]) -> bool:
@@ -154,11 +174,13 @@ def _tbe_forward_op(
 
     Returns:
         ``(2,)`` int64 CPU tensor ``[feature, id]`` of an out-of-range id, or
-        ``[-1, -1]``; ids are checked only when ``check_bounds``.
+        ``[-1, -1]``; ids are checked only when ``check_bounds``. The portable path
+        builds it on the host from its one host read
+        (``reference_batched.HOST_SYNCS_PER_CALL``).
     """
-    return reference.pooled_forward(
+    return reference_batched.pooled_forward(
         weights, meta, values, lengths, per_sample_weights, out, precision, check_bounds
-    ).cpu()
+    )
 
 
 @_tbe_forward_op.register_kernel("cpu")
@@ -173,7 +195,9 @@ def _tbe_forward_cpu(
     check_bounds: bool,
 ) -> torch.Tensor:
     ext = compiled_cpu_kernels()
-    impl = ext.tbe_forward if ext is not None else reference.pooled_forward
+    impl: Callable[..., torch.Tensor] = (
+        ext.tbe_forward if ext is not None else _cpu_portable().pooled_forward
+    )
     return impl(weights, meta, values, lengths, per_sample_weights, out, precision, check_bounds)
 
 
@@ -226,7 +250,7 @@ def _tbe_backward_update_op(
     Returns:
         ``(N,)`` gradient w.r.t. ``per_sample_weights``, or an empty tensor.
     """
-    return reference.backward_update(
+    return reference_batched.backward_update(
         grad_out, weights, meta, values, lengths, per_sample_weights, states, state_offsets,
         optimizer, hparams, precision, flags,
     )  # fmt: skip
@@ -248,7 +272,9 @@ def _tbe_backward_update_cpu(
     flags: list[int],
 ) -> torch.Tensor:
     ext = compiled_cpu_kernels()
-    impl = ext.tbe_backward_update if ext is not None else reference.backward_update
+    impl: Callable[..., torch.Tensor] = (
+        ext.tbe_backward_update if ext is not None else _cpu_portable().backward_update
+    )
     return impl(
         grad_out, weights, meta, values, lengths, per_sample_weights, states, state_offsets,
         optimizer, hparams, precision, flags,

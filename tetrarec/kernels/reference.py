@@ -1,8 +1,13 @@
 """Portable pure-PyTorch table-batched lookup and fused backward + optimizer.
 
-These run on any device, are the oracle the compiled kernels are tested against, and
-are what runs when no compiled kernel is available. They take exactly the arguments of
-the ``tetrarec::`` ops in ``ops.py`` (see there for the layout of each argument).
+The definition: the oracle the compiled kernels and the batched portable path
+(``reference_batched.py``) are tested against, bit for bit. The per-table loop here is
+what the CPU runs when no compiled kernel is available (no compiler, or
+``TETRAREC_KERNELS=reference``); other devices run ``reference_batched``'s forward and
+backward (the same bits, no host reads in the step, but several times slower on a CPU,
+whose caches its full-batch temporaries overflow) and this module's other functions.
+They take exactly the arguments of the ``tetrarec::`` ops in ``ops.py`` (see there for
+the layout of each argument).
 
 Backward, per table::
 
@@ -16,7 +21,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 
 from tetrarec.embedding import SparseOptimizerSpec
@@ -163,50 +167,65 @@ def pooled_forward(
     return torch.tensor([-1, -1], dtype=torch.int64)
 
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_GOLDEN = 0x9E3779B97F4A7C15
 
 
-def _mix64(z: np.ndarray) -> np.ndarray:
-    """SplitMix64's finalizer on uint64 (wraps mod 2^64, as the C++ kernel's ``mix64``)."""
-    z = z + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    out: np.ndarray = z ^ (z >> np.uint64(31))
-    return out
+def _signed(x: int) -> int:
+    """``x mod 2^64`` as the int64 with those bits."""
+    x %= 2**64
+    return x - 2**64 if x >= 2**63 else x
+
+
+def _lsr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (``>>`` on int64 is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finalizer on int64 bits (wraps mod 2^64, as the C++ ``mix64``)."""
+    z = z + _signed(_GOLDEN)
+    z = (z ^ _lsr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ _lsr(z, 27)) * _signed(0x94D049BB133111EB)
+    return z ^ _lsr(z, 31)
 
 
 def rounding_noise(
-    seed: int, iteration: int, row_keys: torch.Tensor, col_start: int, dim: int
+    seed: int,
+    iteration: int,
+    row_keys: torch.Tensor,
+    col_start: int | torch.Tensor,
+    dim: int,
 ) -> torch.Tensor:
     """Uniform ``(U, dim)`` draws in (0, 1) for stochastic rounding of ``U`` rows.
 
     Counter-based, as in the C++ kernel (the same bits): a function of the step's
     ``(seed, iteration)``, the row's global key and the global column only, never of
-    which other rows the step touched or of how the table is sharded.
+    which other rows the step touched or of how the table is sharded. Integer tensor
+    arithmetic on the rows' device (no host round trip).
 
     Args:
         seed: the collection's seed.
         iteration: the backward pass's number.
         row_keys: ``(U,)`` rounding keys of the rows (``TableSlice.row_key() + row``).
-        col_start: global column of the rows' first column.
+        col_start: global column of the rows' first column: one for all rows, or a
+            ``(U,)`` int64 tensor, one per row.
         dim: columns.
     """
-    with np.errstate(over="ignore"):
-        step = np.uint64(seed % 2**64) * _GOLDEN ^ np.uint64(iteration % 2**64)
-        rows = row_keys.detach().cpu().numpy().astype(np.uint64)
-        key = _mix64(step ^ (rows * np.uint64(0xA24BAED4963EE407)))  # (U,)
-        lo = (key & np.uint64(0xFFFFFFFF)).astype(np.uint32)[:, None]
-        hi = (key >> np.uint64(32)).astype(np.uint32)[:, None]
-        cols = np.arange(col_start, col_start + dim, dtype=np.uint32)[None, :]
-        z = lo + cols * np.uint32(0x9E3779B9)
-        z ^= z >> np.uint32(16)
-        z *= np.uint32(0x85EBCA6B)
-        z ^= z >> np.uint32(13)
-        z *= np.uint32(0xC2B2AE35)
-        z ^= z >> np.uint32(16)
-        bits16 = ((z ^ hi) >> np.uint32(8)) & np.uint32(0xFFFF)
-    u = (bits16.astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 65536.0)
-    return torch.from_numpy(u).to(row_keys.device)
+    step = _signed((seed % 2**64) * _GOLDEN ^ (iteration % 2**64))
+    keys = row_keys.long()
+    key = _mix64(step ^ (keys * _signed(0xA24BAED4963EE407)))  # (U,)
+    m32 = 0xFFFFFFFF
+    lo, hi = (key & m32)[:, None], _lsr(key, 32)[:, None]
+    first = torch.as_tensor(col_start, device=keys.device).long().reshape(-1, 1)  # (1|U, 1)
+    cols = torch.arange(dim, device=keys.device)[None, :] + first  # (1|U, dim)
+    z = (lo + (cols & m32) * 0x9E3779B9) & m32  # uint32 arithmetic in int64
+    z = z ^ (z >> 16)
+    z = (z * 0x85EBCA6B) & m32
+    z = z ^ (z >> 13)
+    z = (z * 0xC2B2AE35) & m32
+    z = z ^ (z >> 16)
+    bits16 = ((z ^ hi) >> 8) & 0xFFFF
+    return (bits16.to(torch.float32) + 0.5) * (1.0 / 65536.0)
 
 
 def _per_id_grads(

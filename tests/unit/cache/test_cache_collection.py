@@ -53,9 +53,9 @@ def train(module, steps, start=0, tables=TABLES):
 
 
 @pytest.fixture
-def reference_kernels(monkeypatch):
+def reference_kernels(monkeypatch, portable_mode):
     """The portable kernel path: its float operations are the oracle's, bit for bit."""
-    monkeypatch.setenv("TETRAREC_KERNELS", "reference")
+    monkeypatch.setenv("TETRAREC_KERNELS", portable_mode)
 
 
 @pytest.mark.parametrize("spec", [SGD, ADAGRAD], ids=["sgd", "rowwise_adagrad"])

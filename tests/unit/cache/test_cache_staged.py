@@ -126,14 +126,16 @@ def test_staged_path_equals_the_in_place_path_bitwise(
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_staged_path_with_the_portable_kernels_and_adam(monkeypatch, tmp_path, policy):
+def test_staged_path_with_the_portable_kernels_and_adam(
+    monkeypatch, tmp_path, policy, portable_mode
+):
     """The portable kernels (what a CUDA device runs) and Adam's two per-element states.
 
     Catches: staging buffers that only work with the compiled row codecs (a non-contiguous
     buffer, another dtype), state tensors of width D mixed up in the one device-to-host
     copy of a write-back (rows, ``exp_avg``, ``exp_avg_sq`` side by side).
     """
-    monkeypatch.setenv("TETRAREC_KERNELS", "reference")
+    monkeypatch.setenv("TETRAREC_KERNELS", portable_mode)
     tabs = tables("int8", "mean")
     in_place = build(tabs, ADAM, policy, "cached", tmp_path)
     staged = build(tabs, ADAM, policy, "cached", tmp_path, force_staged_copies=True)

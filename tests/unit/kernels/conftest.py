@@ -6,14 +6,15 @@ from tetrarec.kernels._build import compiled_cpu_kernels
 
 
 @pytest.fixture(params=["compiled", "reference"])
-def kernel_path(request, monkeypatch):
-    """Run the test once on the compiled CPU kernel and once on the portable path."""
+def kernel_path(request, monkeypatch, portable_mode):
+    """Run the test once on the compiled CPU kernel and once on the portable path (the
+    per-table loop; the batched path in a run under ``TETRAREC_KERNELS=batched``)."""
     if request.param == "compiled":
         monkeypatch.setenv("TETRAREC_KERNELS", "auto")
         if compiled_cpu_kernels() is None:
             pytest.skip("the compiled CPU kernel did not build on this machine")
     else:
-        monkeypatch.setenv("TETRAREC_KERNELS", "reference")
+        monkeypatch.setenv("TETRAREC_KERNELS", portable_mode)
     return request.param
 
 

@@ -213,18 +213,20 @@ _CPUINFO = (
 def test_kernel_mode_reads_tetrarec_kernels_in_any_case(
     monkeypatch: pytest.MonkeyPatch, raises_exactly: Callable[[str], Any]
 ) -> None:
-    """Fails if an unset ``TETRAREC_KERNELS`` is not ``auto``, if ``Reference`` (any case)
-    is not the portable path, or if a typo is not refused with the valid values."""
+    """Fails if an unset ``TETRAREC_KERNELS`` is not ``auto``, if ``Reference`` or
+    ``Batched`` (any case) is not a portable path (one compiled, or reported as the
+    compiled kernel), or if a typo is not refused with the valid values."""
     monkeypatch.delenv("TETRAREC_KERNELS", raising=False)
     assert _build.kernel_mode() == "auto"
-    monkeypatch.setenv("TETRAREC_KERNELS", "Reference")
-    assert _build.kernel_mode() == "reference"
-    assert compiled_cpu_kernels() is None
-    assert kernel_path() == "portable"
+    for value, mode in (("Reference", "reference"), ("BATCHED", "batched")):
+        monkeypatch.setenv("TETRAREC_KERNELS", value)
+        assert _build.kernel_mode() == mode
+        assert compiled_cpu_kernels() is None
+        assert kernel_path() == "portable"
     monkeypatch.setenv("TETRAREC_KERNELS", "COMPILED")
     assert _build.kernel_mode() == "compiled"
     monkeypatch.setenv("TETRAREC_KERNELS", "fast")
-    with raises_exactly("TETRAREC_KERNELS='fast'; valid: auto, reference, compiled"):
+    with raises_exactly("TETRAREC_KERNELS='fast'; valid: auto, reference, batched, compiled"):
         _build.kernel_mode()
 
 
