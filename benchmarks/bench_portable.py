@@ -31,7 +31,7 @@ os.environ["TETRAREC_KERNELS"] = "reference"  # a portable path, before tetrarec
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import cpu_summary, print_table, write_json
+from _harness import cpu_summary, json_path, print_table, write_json
 
 from tetrarec.embedding import SparseOptimizerSpec, TableConfig
 from tetrarec.kernels.tbe import FusedEmbeddingBagCollection
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows-w", type=int, default=100_000, help="rows per table of W")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="tiny shapes (the test suite's run)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=json_path, default=None, metavar="PATH")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     results = [row for s in shapes(args) for row in measure(s, args.rounds)]

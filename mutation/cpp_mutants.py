@@ -306,8 +306,10 @@ MUTANTS = [
     Mutant(
         "forward_bounds_off_by_one",
         TBE,
-        "if (id < 0 || id >= S.rows) {\n      if (S.check) S.record_bad(id);",
-        "if (id < 0 || id > S.rows) {\n      if (S.check) S.record_bad(id);",
+        "if (id < 0 || id >= S.rows) {\n      if (S.check) S.record_bad(id);\n"
+        "      continue;\n    }\n    Codec::accum(",
+        "if (id < 0 || id > S.rows) {\n      if (S.check) S.record_bad(id);\n"
+        "      continue;\n    }\n    Codec::accum(",
         "the forward bounds check lets id == rows through",
     ),
     # -- the thread split -----------------------------------------------------------------
