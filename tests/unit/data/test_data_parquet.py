@@ -470,3 +470,16 @@ def test_a_file_with_no_rows_is_refused_by_name(tmp_path):
             [p], dense_columns=(), sparse_columns=("u",), label_column="y", tables=TABLES[:1]
         )
     assert str(e.value) == f"no rows in [{str(p)!r}]"
+
+
+def test_damaged_page_header_is_a_one_line_error(tmp_path):
+    """pyarrow's thrift error spans lines ("...Invalid data\\nDeserializing page header
+    failed.\\n"); the DataError it becomes was printed over three lines (found by
+    tests/fuzz/test_fuzz_parquet.py: one byte inserted before a good file)."""
+    p = tmp_path / "spliced.parquet"
+    sample_file(tmp_path / "good.parquet")
+    p.write_bytes(b"\x00" + (tmp_path / "good.parquet").read_bytes())
+    with pytest.raises(DataError) as info:
+        dataset([p])
+    assert str(info.value).startswith(f"{p}: cannot read parquet data (")
+    assert "\n" not in str(info.value)
