@@ -17,6 +17,7 @@ from typing import Any
 
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from json_damage import damaged
 
 from tetrarec.embedding import TableConfig
 from tetrarec.sharding import ShardingPlan
@@ -27,18 +28,6 @@ TABLES = [
     TableConfig(name="a", num_embeddings=10, dim=8),
     TableConfig(name="b", num_embeddings=3, dim=4),
 ]
-JSON = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers()
-    | st.integers(-(10**400), 10**400)
-    | st.floats(allow_nan=False)
-    | st.text(max_size=6),
-    lambda inner: (
-        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
-    ),
-    max_leaves=8,
-)
 
 
 def _cuts(draw: st.DrawFn, n: int, parts: int) -> list[int]:
@@ -89,38 +78,8 @@ def valid_plan(draw: st.DrawFn) -> dict[str, Any]:
     return {"world_size": world, "local_world_size": local, "tables": tables}
 
 
-def paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    """Every path (keys and indices) to a value inside ``value``."""
-    out = [prefix]
-    if isinstance(value, dict):
-        for k, v in value.items():
-            out += paths(v, (*prefix, k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            out += paths(v, (*prefix, i))
-    return out
-
-
-@st.composite
-def damaged_plan(draw: st.DrawFn) -> Any:
-    plan = draw(valid_plan())
-    for _ in range(draw(st.integers(0, 3))):
-        where = draw(st.sampled_from(paths(plan)))
-        if not where:
-            plan = draw(JSON)
-            continue
-        *head, last = where
-        node = plan
-        for k in head:
-            node = node[k]
-        how = draw(st.sampled_from(["replace", "delete", "nudge"]))
-        if how == "delete":
-            del node[last]
-        elif how == "nudge" and isinstance(node[last], int) and not isinstance(node[last], bool):
-            node[last] += draw(st.sampled_from([-1, 1, -(10**6), 2**63]))
-        else:
-            node[last] = draw(JSON)
-    return plan
+def damaged_plan() -> st.SearchStrategy[Any]:
+    return valid_plan().flatmap(damaged)
 
 
 def load(path) -> ShardingPlan | ValueError:

@@ -28,7 +28,9 @@ the saved dense transform; they never refit it on whatever data they are given.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -272,7 +274,8 @@ def _load_model(data: CheckpointData, model: torch.nn.Module, path: str | Path) 
         result = model.load_state_dict(dense, strict=False)
         model.get_submodule("embeddings").load_state_dict(emb)
     except RuntimeError as e:  # torch reports size mismatches and missing keys so
-        raise ValueError(f"{path}: checkpoint does not fit the model: {e}") from e
+        why = " ".join(str(e).split())  # torch's message spans lines; errors are one line
+        raise ValueError(f"{path}: checkpoint does not fit the model: {why}") from e
     missing = [k for k in result.missing_keys if not k.startswith(_EMB)]
     if missing or result.unexpected_keys:
         raise ValueError(
@@ -291,9 +294,34 @@ def load_run_state(path: str | Path, parts: RunParts) -> tuple[int, int]:
         ``(step, data_position)``: steps done and the next global batch number.
 
     Raises:
-        ValueError: if the checkpoint does not fit the run (model or optimizers).
+        ValueError: if the checkpoint does not fit the run (model or optimizers), or its
+            ``meta.json`` is damaged (a key missing, a value of another type).
     """
     data = read_checkpoint(path)
+    with _damaged_meta(path):
+        return _load_run_state(path, parts, data)
+
+
+@contextlib.contextmanager
+def _damaged_meta(path: str | Path) -> Iterator[None]:
+    """Turn what a damaged ``meta.json`` raises while it is read into one ``ValueError``.
+
+    ``read_meta`` checks the keys every reader needs; the optimizers' and RNGs' parts
+    are read where they are restored, and a missing key or a value of another type
+    there surfaced as a ``KeyError``, ``TypeError``, ... (or a ``ValueError`` not naming
+    the file). An error that names the checkpoint already is left as it is.
+    """
+    try:
+        yield
+    except (KeyError, TypeError, IndexError, AttributeError, OverflowError, ValueError) as e:
+        if isinstance(e, ValueError) and str(e).startswith(str(path)):
+            raise
+        why = " ".join(f"{type(e).__name__}: {e}".split())
+        raise ValueError(f"{Path(path) / 'meta.json'}: damaged checkpoint metadata ({why})") from e
+
+
+def _load_run_state(path: str | Path, parts: RunParts, data: CheckpointData) -> tuple[int, int]:
+    """``load_run_state`` once ``data`` is read."""
     _check_same_layout(data, parts, path)
     rank_meta: dict[str, Any] | None = None
     if "sharding" in data.meta:
