@@ -5,7 +5,8 @@ position, config, the optimizers' and RNGs' JSON parts) and ``tensors.safetensor
 A real one is written once from a tiny run; each example damages a copy of it: its
 ``meta.json`` edited anywhere (``json_damage``) or replaced by any bytes, its tensor
 file cut or with bytes flipped or inserted. Every reader a command uses on a checkpoint
-(``read_meta``, ``read_checkpoint``, ``load_dense_transform``, ``load_run_state``) then
+(``read_meta``, ``read_checkpoint``, ``load_dense_transform``, ``CheckpointTables`` of
+export and evaluation, ``load_run_state``) then
 gives what it read, or a ``ValueError`` / ``FileNotFoundError`` on one line (the CLI's
 exit status 2): never a ``KeyError``, ``TypeError``, ``IndexError``, a safetensors
 panic or a torch ``RuntimeError``. A checkpoint left whole resumes at its step.
@@ -24,6 +25,7 @@ from json_damage import damaged
 from tetrarec.config import RunConfig
 from tetrarec.train import build_parts
 from tetrarec.train.checkpoint import read_checkpoint, read_meta
+from tetrarec.train.checkpoint_tables import CheckpointTables
 from tetrarec.train.state import load_dense_transform, load_run_state, save_run_state
 
 FUZZ = settings.get_profile("tetrarec-fuzz")
@@ -54,6 +56,9 @@ def read_all(path, parts) -> object:
         read_meta(path, require={"config": dict})
         read_checkpoint(path)
         load_dense_transform(path)
+        tables = CheckpointTables(path)  # what export and evaluation read
+        for t in tables.tables:
+            tables.read_table(t.name)
         return load_run_state(path, parts)
     except (ValueError, FileNotFoundError) as e:
         error = e

@@ -31,7 +31,7 @@ from tetrarec.config.tables import model_tables
 from tetrarec.embedding import TableConfig
 from tetrarec.kernels import decode_rows, row_width
 from tetrarec.sharding import ShardingPlan
-from tetrarec.train.checkpoint import rank_file, read_meta
+from tetrarec.train.checkpoint import _damaged_meta, rank_file, read_meta
 
 __all__ = ["CheckpointTables", "SavedBlock"]
 
@@ -84,20 +84,21 @@ class CheckpointTables:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.meta = read_meta(self.path, require={"config": dict})
-        self.config = RunConfig.from_dict(self.meta["config"])
-        sharding = self.meta.get("sharding")
-        plan = ShardingPlan.from_dict(sharding["plan"]) if sharding else None
-        tables = []
-        for t in model_tables(self.config.model):
-            placed = plan.table(t.name).placement if plan is not None else None
-            if placed is not None:
-                t = dataclasses.replace(t, precision=placed.precision)
-            tables.append(t)
-        #: Every table of the model (embedding tables, then a first-order term's), with
-        #: the precision its rows were stored in.
-        self.tables: tuple[TableConfig, ...] = tuple(tables)
-        self.world_size = int(sharding["world_size"]) if sharding else 1
-        self._blocks = self._find_blocks(sharding)
+        with _damaged_meta(self.path):  # the config, a sharded run's plan and layout
+            self.config = RunConfig.from_dict(self.meta["config"])
+            sharding = self.meta.get("sharding")
+            plan = ShardingPlan.from_dict(sharding["plan"]) if sharding else None
+            tables = []
+            for t in model_tables(self.config.model):
+                placed = plan.table(t.name).placement if plan is not None else None
+                if placed is not None:
+                    t = dataclasses.replace(t, precision=placed.precision)
+                tables.append(t)
+            #: Every table of the model (embedding tables, then a first-order term's),
+            #: with the precision its rows were stored in.
+            self.tables: tuple[TableConfig, ...] = tuple(tables)
+            self.world_size = int(sharding["world_size"]) if sharding else 1
+            self._blocks = self._find_blocks(sharding)
 
     def _file_keys(self, file: Path) -> list[str]:
         if not file.is_file():

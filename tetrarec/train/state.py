@@ -28,9 +28,7 @@ the saved dense transform; they never refit it on whatever data they are given.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +39,7 @@ from tetrarec.data import DenseTransform, TransformedDataset
 from tetrarec.train.build import RunParts, model_collections
 from tetrarec.train.checkpoint import (
     CheckpointData,
+    _damaged_meta,
     capture_rng_state,
     flatten_optimizer_state,
     prune_checkpoints,
@@ -300,24 +299,6 @@ def load_run_state(path: str | Path, parts: RunParts) -> tuple[int, int]:
     data = read_checkpoint(path)
     with _damaged_meta(path):
         return _load_run_state(path, parts, data)
-
-
-@contextlib.contextmanager
-def _damaged_meta(path: str | Path) -> Iterator[None]:
-    """Turn what a damaged ``meta.json`` raises while it is read into one ``ValueError``.
-
-    ``read_meta`` checks the keys every reader needs; the optimizers' and RNGs' parts
-    are read where they are restored, and a missing key or a value of another type
-    there surfaced as a ``KeyError``, ``TypeError``, ... (or a ``ValueError`` not naming
-    the file). An error that names the checkpoint already is left as it is.
-    """
-    try:
-        yield
-    except (KeyError, TypeError, IndexError, AttributeError, OverflowError, ValueError) as e:
-        if isinstance(e, ValueError) and str(e).startswith(str(path)):
-            raise
-        why = " ".join(f"{type(e).__name__}: {e}".split())
-        raise ValueError(f"{Path(path) / 'meta.json'}: damaged checkpoint metadata ({why})") from e
 
 
 def _load_run_state(path: str | Path, parts: RunParts, data: CheckpointData) -> tuple[int, int]:

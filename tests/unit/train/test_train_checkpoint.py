@@ -26,6 +26,7 @@ from tetrarec.train.checkpoint import (
     unflatten_optimizer_state,
     write_checkpoint,
 )
+from tetrarec.train.checkpoint_tables import CheckpointTables
 from tetrarec.train.optim import RowWiseAdagrad
 
 
@@ -283,3 +284,26 @@ def test_a_runs_checkpoint_dir_given_as_a_checkpoint_names_its_best_and_newest(t
     )
     with pytest.raises(FileNotFoundError, match=r"is not a checkpoint \(no meta\.json\)$"):
         read_meta(newest / "nothing_here")
+
+
+# -- found by tests/fuzz/test_fuzz_checkpoint.py -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("meta", "why"),
+    [
+        ({"config": {"data": None}}, "data must be a table"),  # named no file
+        ({"config": {}, "sharding": {"world_size": 2}}, "KeyError: 'plan'"),
+        ({"config": {}, "sharding": {"plan": [], "world_size": 1}}, "sharding plan"),
+    ],
+)
+def test_checkpoint_tables_of_damaged_meta_is_one_error_naming_it(tmp_path, meta, why) -> None:
+    """What export and evaluation read (``CheckpointTables``): a saved config that does
+    not load, or a sharded layout without its plan, raised a ValueError naming no file or
+    a KeyError; now one ValueError naming meta.json."""
+    path = write_checkpoint(
+        tmp_path, CheckpointData(step=1, tensors={"w": torch.zeros(1)}, meta=meta)
+    )
+    with pytest.raises(ValueError, match=re.escape(f"{path / 'meta.json'}: damaged")) as info:
+        CheckpointTables(path)
+    assert why in str(info.value)
