@@ -61,7 +61,7 @@ def _open(
         raise DataFileNotFoundError(path)
     try:
         file = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as e:
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # names of bad UTF-8
         raise DataError(f"not a readable parquet file ({_one_line(e)})", path=path) from None
     names = file.schema_arrow.names
     columns = mapping.columns
@@ -272,7 +272,7 @@ def iter_parquet_blocks(
         for batch in file.iter_batches(batch_size=_BATCH_ROWS, columns=list(mapping.columns)):
             yield _columns_of_table(pa.Table.from_batches([batch]), mapping, path, first_row)
             first_row += batch.num_rows
-    except (pa.ArrowException, OSError) as e:
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # names of bad UTF-8
         raise DataError(f"cannot read parquet data ({_one_line(e)})", path=path) from None
     if on_bytes is not None:
         on_bytes(path.stat().st_size)
@@ -302,7 +302,7 @@ def read_parquet(
         file, columns = _open(p, mapping, require_labels=require_labels)
         try:
             table = file.read(columns=list(columns))
-        except (pa.ArrowException, OSError) as e:
+        except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # names of bad UTF-8
             raise DataError(f"cannot read parquet data ({_one_line(e)})", path=p) from None
         parts.append(_columns_of_table(table, mapping, p))
     return MultiHotColumns.concatenate(parts)
