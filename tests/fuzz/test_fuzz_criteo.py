@@ -14,7 +14,7 @@ from __future__ import annotations
 import gzip
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tetrarec.data import DataError, read_criteo
@@ -93,6 +93,9 @@ def test_damaged_lines_are_skipped_or_named_as_when_read_alone(
     """A line's fate (a row, or a bad line) never depends on its neighbours or on where a
     block ends: the whole file skips exactly the lines that fail alone and keeps the
     others' rows in order; ``"error"`` names the first of them by its line number."""
+    # A file is gzip when it starts with gzip's magic bytes (documented): such a first
+    # line makes the whole file damaged gzip, which the last test covers.
+    assume(not lines[0].startswith(b"\x1f\x8b"))
     alone = []
     for i, text in enumerate(lines):
         p = tmp_path / f"line{i}.tsv"
