@@ -160,22 +160,32 @@ class CheckpointTables:
                 the table that no block covers.
         """
         t = next(x for x in self.tables if x.name == table)
-        out = torch.full((t.num_embeddings, t.dim), float("nan"))
-        covered = torch.zeros(t.num_embeddings, t.dim, dtype=torch.bool)
         with ExitStack() as stack:
             handles: dict[Path, Any] = {}
             for b in self._blocks[table]:
                 if b.file not in handles:
                     handles[b.file] = stack.enter_context(safe_open(str(b.file), framework="pt"))
-                f = handles[b.file]
-                stored = f.get_tensor(b.key)
+            # Every block's shape, and enough cells, before the table is allocated: a
+            # damaged meta.json may give the table a size no block holds (2**62 rows).
+            cells = 0
+            for b in self._blocks[table]:
+                shape = tuple(handles[b.file].get_slice(b.key).get_shape())
                 n, d = b.rows[1] - b.rows[0], b.cols[1] - b.cols[0]
                 want = (n, row_width(t.precision, d))
-                if tuple(stored.shape) != want:
+                if shape != want:
                     raise ValueError(
-                        f"{b.file}: {b.key} is {tuple(stored.shape)}, its layout says {want} "
+                        f"{b.file}: {b.key} is {shape}, its layout says {want} "
                         f"({t.precision.value} rows of dim {d})"
                     )
+                cells += n * d
+            if cells < t.num_embeddings * t.dim:
+                raise ValueError(f"{self.path}: table {table!r} has cells no saved block covers")
+            out = torch.full((t.num_embeddings, t.dim), float("nan"))
+            covered = torch.zeros(t.num_embeddings, t.dim, dtype=torch.bool)
+            for b in self._blocks[table]:
+                f = handles[b.file]
+                stored = f.get_tensor(b.key)
+                d = b.cols[1] - b.cols[0]
                 rows = decode_rows(stored, t.precision, d).float()
                 names = set(f.keys())
                 if b.cache_prefix + "rows" in names:
