@@ -2,11 +2,12 @@
 #   make demo   set up .venv if needed, then train a small DLRM on built-in data
 #   make test   set up .venv with the test extras if needed, lint and type-check (make lint),
 #               then run the whole suite
+#   make fuzz   the readers' property tests with 10000 generated inputs each (see below)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint setup clean mutants
+.PHONY: demo test lint setup clean mutants fuzz
 
 $(VENV)/.stamp-base: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +45,17 @@ lint: $(VENV)/.stamp-test
 	$(PY) -m ruff check tetrarec tests benchmarks
 	$(PY) -m ruff format --check tetrarec tests benchmarks
 	$(PY) -m mypy tetrarec
+
+# Deep fuzzing, not part of `make test` (which runs tests/fuzz/ with a few hundred
+# examples per property, the same ones each run): every property of tests/fuzz/ with
+# FUZZ_EXAMPLES generated inputs, drawn afresh each run (tests/fuzz/conftest.py), then
+# Hypothesis's count of inputs tried per test. Each input has a 10 s deadline; a test
+# that hangs outright is stopped after FUZZ_TIMEOUT seconds. About an hour on 2 cores.
+FUZZ_EXAMPLES ?= 10000
+FUZZ_TIMEOUT ?= 3600
+fuzz: $(VENV)/.stamp-test
+	TETRAREC_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider \
+	  --timeout=$(FUZZ_TIMEOUT) --hypothesis-show-statistics tests/fuzz
 
 # Mutation testing, not part of `make test` (mutation/README.md): mutmut over the kernels,
 # metrics, checkpoint state and parsers ([tool.mutmut] in pyproject.toml), then the seeded

@@ -433,3 +433,13 @@ def test_every_path_field_expands_a_leading_tilde(tmp_path: Path, monkeypatch) -
     o = RunConfig().with_overrides(["train.checkpoint_dir=~/other", "model.cache.dir=none"])
     assert o.train.checkpoint_dir == f"{tmp_path}/other"
     assert o.model.cache.dir is None
+
+
+def test_num_sparse_beyond_any_model_is_refused_before_filling_memory() -> None:
+    """``model.num_sparse = 2**62`` (found by tests/fuzz/test_fuzz_config.py) built
+    per-table lists of that length while validating: the process was killed for its
+    memory instead of refusing the value (10**8 took 14 s)."""
+    with pytest.raises(
+        ValueError, match=rf"^model\.num_sparse must be at most 65536, got {2**62}$"
+    ):
+        RunConfig.from_dict({"model": {"num_sparse": 2**62}})

@@ -77,6 +77,9 @@ class CacheConfig:
         )
 
 
+_MAX_SPARSE = 1 << 16  # features; far beyond any model (a typo, or a damaged file)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """The embedding tables and the network.
@@ -112,6 +115,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_sparse <= 0:
             raise ValueError(f"model.num_sparse must be positive, got {self.num_sparse}")
+        if self.num_sparse > _MAX_SPARSE:  # the per-table lists below would fill the memory
+            raise ValueError(
+                f"model.num_sparse must be at most {_MAX_SPARSE}, got {self.num_sparse}"
+            )
         rows = self.table_rows
         if len(rows) != self.num_sparse or min(rows) <= 0:
             raise ValueError(

@@ -61,8 +61,8 @@ def _open(
         raise DataFileNotFoundError(path)
     try:
         file = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as e:
-        raise DataError(f"not a readable parquet file ({e})", path=path) from None
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # names of bad UTF-8
+        raise DataError(f"not a readable parquet file ({_one_line(e)})", path=path) from None
     names = file.schema_arrow.names
     columns = mapping.columns
     if not require_labels and mapping.label_column not in names:
@@ -71,6 +71,11 @@ def _open(
     if missing:
         raise DataError(f"columns {missing} are not in the file; it has {names}", path=path)
     return file, columns
+
+
+def _one_line(error: Exception) -> str:
+    """``error``'s message on one line (pyarrow's thrift errors span several)."""
+    return " ".join(str(error).split())
 
 
 def _decoded(col: pa.ChunkedArray | pa.Array) -> pa.Array:
@@ -267,8 +272,8 @@ def iter_parquet_blocks(
         for batch in file.iter_batches(batch_size=_BATCH_ROWS, columns=list(mapping.columns)):
             yield _columns_of_table(pa.Table.from_batches([batch]), mapping, path, first_row)
             first_row += batch.num_rows
-    except (pa.ArrowException, OSError) as e:
-        raise DataError(f"cannot read parquet data ({e})", path=path) from None
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # names of bad UTF-8
+        raise DataError(f"cannot read parquet data ({_one_line(e)})", path=path) from None
     if on_bytes is not None:
         on_bytes(path.stat().st_size)
 
@@ -297,8 +302,8 @@ def read_parquet(
         file, columns = _open(p, mapping, require_labels=require_labels)
         try:
             table = file.read(columns=list(columns))
-        except (pa.ArrowException, OSError) as e:
-            raise DataError(f"cannot read parquet data ({e})", path=p) from None
+        except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # names of bad UTF-8
+            raise DataError(f"cannot read parquet data ({_one_line(e)})", path=p) from None
         parts.append(_columns_of_table(table, mapping, p))
     return MultiHotColumns.concatenate(parts)
 

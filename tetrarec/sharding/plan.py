@@ -41,6 +41,9 @@ from tetrarec.types import Placement, Precision, ShardingType
 __all__ = ["Shard", "ShardingPlan", "TablePlacement", "TablePlan"]
 
 
+_MAX_WORLD_SIZE = 1 << 20  # far beyond any cluster; a larger number is a damaged file
+
+
 def _is_int(value: object) -> TypeGuard[int]:
     """A JSON integer: not a float (``1.9`` is no rank), a string or a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -146,7 +149,7 @@ class TablePlacement:
                 cache_fraction=float(d.get("cache_fraction", 0.0)),
                 precision=Precision.parse(d["precision"]),
             )
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, OverflowError) as e:  # Overflow: float(10**400)
             raise ValueError(f"bad placement {d!r}: needs placement and precision") from e
 
 
@@ -198,6 +201,8 @@ class ShardingPlan:
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.local_world_size < 1:
             raise ValueError(f"bad plan world: {self.world_size} x {self.local_world_size}")
+        if self.world_size > _MAX_WORLD_SIZE:  # a typo or damage: checks list every rank
+            raise ValueError(f"bad plan world: {self.world_size} ranks (at most {_MAX_WORLD_SIZE})")
         if self.world_size % self.local_world_size:
             raise ValueError(
                 f"world size {self.world_size} is not a multiple of the ranks per node "
@@ -340,13 +345,18 @@ class ShardingPlan:
         """Read a plan written by ``save`` (or by hand).
 
         Raises:
-            ValueError: if the file is not a valid plan (naming the file).
+            ValueError: if the file is not a valid plan (naming the file), or is a
+                directory.
             FileNotFoundError: if it does not exist.
         """
+        if Path(path).is_dir():
+            raise ValueError(f"{path} is a directory; give the plan's JSON file")
         try:
             return ShardingPlan.from_dict(json.loads(Path(path).read_text()))
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not JSON: {e}") from e
+        except RecursionError:  # the decoder's stack: arrays nested thousands deep
+            raise ValueError(f"{path}: not a sharding plan (JSON nested too deeply)") from None
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from e
 

@@ -27,12 +27,13 @@ training run puts in them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -335,6 +336,25 @@ def read_meta(path: str | Path, *, require: Mapping[str, type] | None = None) ->
             continue
         raise ValueError(f"{path / _META}: damaged checkpoint metadata ({problem})")
     return meta
+
+
+@contextlib.contextmanager
+def _damaged_meta(path: str | Path) -> Iterator[None]:
+    """Turn what a damaged ``meta.json`` raises while it is read into one ``ValueError``.
+
+    ``read_meta`` checks the keys every reader needs; the other parts (the optimizers'
+    and RNGs' states, the config, a sharded run's layout) are read where they are used,
+    and a missing key or a value of another type there surfaced as a ``KeyError``,
+    ``TypeError``, ... (or a ``ValueError`` not naming the file). An error that names
+    the checkpoint already is left as it is.
+    """
+    try:
+        yield
+    except (KeyError, TypeError, IndexError, AttributeError, OverflowError, ValueError) as e:
+        if isinstance(e, ValueError) and str(e).startswith(str(path)):
+            raise
+        why = " ".join(f"{type(e).__name__}: {e}".split())
+        raise ValueError(f"{Path(path) / 'meta.json'}: damaged checkpoint metadata ({why})") from e
 
 
 def read_checkpoint(

@@ -31,7 +31,7 @@ from tetrarec.config.tables import model_tables
 from tetrarec.embedding import TableConfig
 from tetrarec.kernels import decode_rows, row_width
 from tetrarec.sharding import ShardingPlan
-from tetrarec.train.checkpoint import rank_file, read_meta
+from tetrarec.train.checkpoint import _damaged_meta, rank_file, read_meta
 
 __all__ = ["CheckpointTables", "SavedBlock"]
 
@@ -84,20 +84,21 @@ class CheckpointTables:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.meta = read_meta(self.path, require={"config": dict})
-        self.config = RunConfig.from_dict(self.meta["config"])
-        sharding = self.meta.get("sharding")
-        plan = ShardingPlan.from_dict(sharding["plan"]) if sharding else None
-        tables = []
-        for t in model_tables(self.config.model):
-            placed = plan.table(t.name).placement if plan is not None else None
-            if placed is not None:
-                t = dataclasses.replace(t, precision=placed.precision)
-            tables.append(t)
-        #: Every table of the model (embedding tables, then a first-order term's), with
-        #: the precision its rows were stored in.
-        self.tables: tuple[TableConfig, ...] = tuple(tables)
-        self.world_size = int(sharding["world_size"]) if sharding else 1
-        self._blocks = self._find_blocks(sharding)
+        with _damaged_meta(self.path):  # the config, a sharded run's plan and layout
+            self.config = RunConfig.from_dict(self.meta["config"])
+            sharding = self.meta.get("sharding")
+            plan = ShardingPlan.from_dict(sharding["plan"]) if sharding else None
+            tables = []
+            for t in model_tables(self.config.model):
+                placed = plan.table(t.name).placement if plan is not None else None
+                if placed is not None:
+                    t = dataclasses.replace(t, precision=placed.precision)
+                tables.append(t)
+            #: Every table of the model (embedding tables, then a first-order term's),
+            #: with the precision its rows were stored in.
+            self.tables: tuple[TableConfig, ...] = tuple(tables)
+            self.world_size = int(sharding["world_size"]) if sharding else 1
+            self._blocks = self._find_blocks(sharding)
 
     def _file_keys(self, file: Path) -> list[str]:
         if not file.is_file():
@@ -159,22 +160,32 @@ class CheckpointTables:
                 the table that no block covers.
         """
         t = next(x for x in self.tables if x.name == table)
-        out = torch.full((t.num_embeddings, t.dim), float("nan"))
-        covered = torch.zeros(t.num_embeddings, t.dim, dtype=torch.bool)
         with ExitStack() as stack:
             handles: dict[Path, Any] = {}
             for b in self._blocks[table]:
                 if b.file not in handles:
                     handles[b.file] = stack.enter_context(safe_open(str(b.file), framework="pt"))
-                f = handles[b.file]
-                stored = f.get_tensor(b.key)
+            # Every block's shape, and enough cells, before the table is allocated: a
+            # damaged meta.json may give the table a size no block holds (2**62 rows).
+            cells = 0
+            for b in self._blocks[table]:
+                shape = tuple(handles[b.file].get_slice(b.key).get_shape())
                 n, d = b.rows[1] - b.rows[0], b.cols[1] - b.cols[0]
                 want = (n, row_width(t.precision, d))
-                if tuple(stored.shape) != want:
+                if shape != want:
                     raise ValueError(
-                        f"{b.file}: {b.key} is {tuple(stored.shape)}, its layout says {want} "
+                        f"{b.file}: {b.key} is {shape}, its layout says {want} "
                         f"({t.precision.value} rows of dim {d})"
                     )
+                cells += n * d
+            if cells < t.num_embeddings * t.dim:
+                raise ValueError(f"{self.path}: table {table!r} has cells no saved block covers")
+            out = torch.full((t.num_embeddings, t.dim), float("nan"))
+            covered = torch.zeros(t.num_embeddings, t.dim, dtype=torch.bool)
+            for b in self._blocks[table]:
+                f = handles[b.file]
+                stored = f.get_tensor(b.key)
+                d = b.cols[1] - b.cols[0]
                 rows = decode_rows(stored, t.precision, d).float()
                 names = set(f.keys())
                 if b.cache_prefix + "rows" in names:

@@ -39,6 +39,7 @@ from tetrarec.data import DenseTransform, TransformedDataset
 from tetrarec.train.build import RunParts, model_collections
 from tetrarec.train.checkpoint import (
     CheckpointData,
+    _damaged_meta,
     capture_rng_state,
     flatten_optimizer_state,
     prune_checkpoints,
@@ -272,7 +273,8 @@ def _load_model(data: CheckpointData, model: torch.nn.Module, path: str | Path) 
         result = model.load_state_dict(dense, strict=False)
         model.get_submodule("embeddings").load_state_dict(emb)
     except RuntimeError as e:  # torch reports size mismatches and missing keys so
-        raise ValueError(f"{path}: checkpoint does not fit the model: {e}") from e
+        why = " ".join(str(e).split())  # torch's message spans lines; errors are one line
+        raise ValueError(f"{path}: checkpoint does not fit the model: {why}") from e
     missing = [k for k in result.missing_keys if not k.startswith(_EMB)]
     if missing or result.unexpected_keys:
         raise ValueError(
@@ -291,9 +293,16 @@ def load_run_state(path: str | Path, parts: RunParts) -> tuple[int, int]:
         ``(step, data_position)``: steps done and the next global batch number.
 
     Raises:
-        ValueError: if the checkpoint does not fit the run (model or optimizers).
+        ValueError: if the checkpoint does not fit the run (model or optimizers), or its
+            ``meta.json`` is damaged (a key missing, a value of another type).
     """
     data = read_checkpoint(path)
+    with _damaged_meta(path):
+        return _load_run_state(path, parts, data)
+
+
+def _load_run_state(path: str | Path, parts: RunParts, data: CheckpointData) -> tuple[int, int]:
+    """``load_run_state`` once ``data`` is read."""
     _check_same_layout(data, parts, path)
     rank_meta: dict[str, Any] | None = None
     if "sharding" in data.meta:

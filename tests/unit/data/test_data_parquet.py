@@ -470,3 +470,30 @@ def test_a_file_with_no_rows_is_refused_by_name(tmp_path):
             [p], dense_columns=(), sparse_columns=("u",), label_column="y", tables=TABLES[:1]
         )
     assert str(e.value) == f"no rows in [{str(p)!r}]"
+
+
+def test_damaged_page_header_is_a_one_line_error(tmp_path):
+    """pyarrow's thrift error spans lines ("...Invalid data\\nDeserializing page header
+    failed.\\n"); the DataError it becomes was printed over three lines (found by
+    tests/fuzz/test_fuzz_parquet.py: one byte inserted before a good file)."""
+    p = tmp_path / "spliced.parquet"
+    sample_file(tmp_path / "good.parquet")
+    p.write_bytes(b"\x00" + (tmp_path / "good.parquet").read_bytes())
+    with pytest.raises(DataError) as info:
+        dataset([p])
+    assert str(info.value).startswith(f"{p}: cannot read parquet data (")
+    assert "\n" not in str(info.value)
+
+
+def test_column_name_of_invalid_utf8_is_a_data_error_naming_the_file(tmp_path):
+    """A footer whose column name is not UTF-8 made pyarrow raise UnicodeDecodeError (a
+    ValueError naming no file) from ParquetFile (found by tests/fuzz/test_fuzz_parquet.py:
+    one byte flipped in a good file's footer)."""
+    p = tmp_path / "names.parquet"
+    pq.write_table(pa.table({"y": [1, 0], "d\u00e9": [1.0, 2.0], "u": [3, 4]}), p)
+    raw = p.read_bytes()
+    assert raw.count("d\u00e9".encode()) >= 1
+    p.write_bytes(raw.replace("d\u00e9".encode(), b"d\xe4\xa9"))  # a broken 3-byte sequence
+    with pytest.raises(DataError) as info:
+        read_parquet([p], ColumnMapping(label_column="y", sparse_columns=("u",)))
+    assert str(info.value).startswith(f"{p}: not a readable parquet file (")

@@ -282,3 +282,35 @@ def test_select_gives_a_collections_part_of_the_plan() -> None:
     assert (part.world_size, part.local_world_size) == (plan.world_size, plan.local_world_size)
     with pytest.raises(ValueError, match=r"does not place tables \['z'\]"):
         plan.select(["big", "z"])
+
+
+# Found by tests/fuzz/test_fuzz_plan.py: each was a traceback, not a one-line ValueError.
+
+
+def test_plan_file_that_is_a_directory_is_a_value_error(tmp_path):
+    """``sharding.plan`` naming a directory raised IsADirectoryError (no exit status 2)."""
+    with pytest.raises(ValueError, match="is a directory; give the plan's JSON file"):
+        ShardingPlan.load(tmp_path)
+
+
+def test_plan_json_nested_too_deeply_is_a_value_error(tmp_path):
+    """JSON arrays nested 100000 deep raised the decoder's RecursionError."""
+    p = tmp_path / "plan.json"
+    p.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        ShardingPlan.load(p)
+
+
+def test_huge_cache_fraction_is_a_value_error():
+    """A cache_fraction of 10**400 (a JSON integer) raised OverflowError in float()."""
+    with pytest.raises(ValueError, match="bad placement"):
+        TablePlacement.from_dict(
+            {"placement": "cached", "precision": "fp32", "cache_fraction": 10**400}
+        )
+
+
+def test_world_size_beyond_any_cluster_is_a_value_error():
+    """world_size 2**63 + 1 passed, then validating a data-parallel table raised
+    OverflowError from range() (and a large one would list billions of ranks)."""
+    with pytest.raises(ValueError, match="bad plan world"):
+        ShardingPlan(world_size=2**63 + 1, local_world_size=1, tables=())

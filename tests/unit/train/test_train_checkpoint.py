@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from tetrarec.config import RunConfig
+from tetrarec.train import build_parts
 from tetrarec.train.checkpoint import (
     BEST_LINK,
     CHECKPOINT_FORMAT,
@@ -26,7 +28,9 @@ from tetrarec.train.checkpoint import (
     unflatten_optimizer_state,
     write_checkpoint,
 )
+from tetrarec.train.checkpoint_tables import CheckpointTables
 from tetrarec.train.optim import RowWiseAdagrad
+from tetrarec.train.state import save_run_state
 
 
 def _data(step: int) -> CheckpointData:
@@ -283,3 +287,45 @@ def test_a_runs_checkpoint_dir_given_as_a_checkpoint_names_its_best_and_newest(t
     )
     with pytest.raises(FileNotFoundError, match=r"is not a checkpoint \(no meta\.json\)$"):
         read_meta(newest / "nothing_here")
+
+
+# -- found by tests/fuzz/test_fuzz_checkpoint.py -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("meta", "why"),
+    [
+        ({"config": {"data": None}}, "data must be a table"),  # named no file
+        ({"config": {}, "sharding": {"world_size": 2}}, "KeyError: 'plan'"),
+        ({"config": {}, "sharding": {"plan": [], "world_size": 1}}, "sharding plan"),
+    ],
+)
+def test_checkpoint_tables_of_damaged_meta_is_one_error_naming_it(tmp_path, meta, why) -> None:
+    """What export and evaluation read (``CheckpointTables``): a saved config that does
+    not load, or a sharded layout without its plan, raised a ValueError naming no file or
+    a KeyError; now one ValueError naming meta.json."""
+    path = write_checkpoint(
+        tmp_path, CheckpointData(step=1, tensors={"w": torch.zeros(1)}, meta=meta)
+    )
+    with pytest.raises(ValueError, match=re.escape(f"{path / 'meta.json'}: damaged")) as info:
+        CheckpointTables(path)
+    assert why in str(info.value)
+
+
+def test_a_meta_config_claiming_a_huge_table_is_refused_before_allocating(tmp_path) -> None:
+    """A meta.json whose config gives a table 2**62 rows: reading the table allocated it
+    first (torch.full: a multi-line TypeError here; a size that fits int64 would fill
+    the memory) before comparing it with the stored rows; now one ValueError naming the
+    stored block, nothing allocated."""
+    cfg = RunConfig().with_overrides(
+        ["model.num_sparse=2", "model.num_embeddings=[10, 7]", "model.dlrm.bottom_mlp=[8, 4]"]
+    )
+    path = save_run_state(tmp_path, build_parts(cfg, num_dense=13), step=1, config=cfg, keep=1)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["config"]["model"]["num_embeddings"] = [2**62, 7]
+    (path / "meta.json").write_text(json.dumps(meta))
+    tables = CheckpointTables(path)
+    with pytest.raises(ValueError, match=r"its layout says \(4611686018427387904, 4\)") as info:
+        tables.read_table("C1")
+    assert "\n" not in str(info.value)
+    assert tables.read_table("C2").shape == (7, 4)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from tetrarec.config import RunConfig
 from tetrarec.data import build_datasets
@@ -250,3 +251,40 @@ def test_saved_dense_transform_is_loaded_restored_and_a_change_is_logged(tmp_pat
         ValueError, match=f"^{re.escape(str(path))}: malformed saved dense transform"
     ):
         load_dense_transform(path)
+
+
+# -- found by tests/fuzz/test_fuzz_checkpoint.py -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("dense_optim", {"param_groups": []}),  # KeyError: 'scalars'
+        ("sparse_optim", []),  # AttributeError: 'list' object has no attribute 'get'
+        ("rng", {"numpy": [1, 2, 3], "python": [3, None]}),  # unpacking: a ValueError, no file
+        ("data_position", None),  # deleted: KeyError
+    ],
+)
+def test_damaged_meta_is_one_value_error_naming_the_file(tmp_path, key, value) -> None:
+    """A meta.json whose optimizer, RNG or data-position part is missing or of another
+    shape raised KeyError / AttributeError / TypeError (or a ValueError that named no
+    file) from deep inside the restore; now one ValueError naming meta.json."""
+    cfg = config()
+    path = save_run_state(tmp_path, parts_of(cfg), step=2, config=cfg, keep=1)
+    edit_meta(path, **{key: value})
+    with pytest.raises(ValueError, match=re.escape(f"{path / 'meta.json'}: damaged checkpoint")):
+        load_run_state(path, parts_of(cfg))
+
+
+def test_tensors_the_model_lacks_are_named_on_one_line(tmp_path) -> None:
+    """torch's load_state_dict message spans lines ("Error(s) in loading state_dict
+    for ...:\\n\\tUnexpected key(s) ..."); the ValueError quoting it was printed so."""
+    cfg = config()
+    path = save_run_state(tmp_path, parts_of(cfg), step=2, config=cfg, keep=1)
+    tensors = load_file(str(path / "tensors.safetensors"))
+    tensors["embedding.sounding"] = torch.zeros(1)
+    save_file(tensors, str(path / "tensors.safetensors"))
+    with pytest.raises(ValueError, match="does not fit the model") as info:
+        load_run_state(path, parts_of(cfg))
+    assert "\n" not in str(info.value)
+    assert "sounding" in str(info.value)
