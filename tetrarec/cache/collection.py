@@ -504,7 +504,7 @@ class CachedEmbeddingBagCollection(nn.Module):
         Under the ``static`` policy, the pinned rows.
         """
         return {
-            self.tables[i].name: torch.sort(c.slot_rows[c.slot_rows >= 0]).values
+            self.tables[i].name: torch.sort(c.rows_in(c.occupied())).values
             for i, c in self._caches.items()
         }
 
@@ -528,7 +528,7 @@ class CachedEmbeddingBagCollection(nn.Module):
             if c is not None and c.capacity:
                 slots = c.occupied()
                 rows = self._slots()._table_rows(self._slot_home[i])
-                w[c.slot_rows[slots]] = rows[slots.to(rows.device)].to(w.device)
+                w[c.rows_in(slots)] = rows[slots.to(rows.device)].to(w.device)
             out[t.name] = w
         return out
 

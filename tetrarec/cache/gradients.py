@@ -42,7 +42,7 @@ def apply_part_gradients(
             of the cache.
     """
     for i, rows, slots in route.touched:
-        if not torch.equal(ebc._caches[i].row_slot[rows], slots):
+        if not torch.equal(ebc._caches[i].slots_of(rows), slots.long()):
             raise RuntimeError(
                 f"table {ebc.tables[i].name!r}: rows this batch used left or entered "
                 "the cache before its backward; run each training forward's backward "
@@ -103,7 +103,7 @@ def part_row_gradient_shares(
         )  # fmt: skip
         got, share = got.cpu(), share.cpu()
         if part.kind == CACHE:
-            got = ebc._caches[table].slot_rows[got]  # slots -> their rows
+            got = ebc._caches[table].rows_in(got.long())  # slots -> their rows
         rows.append(got)
         shares.append(share)
     every = torch.cat(rows)
@@ -134,7 +134,7 @@ def add_to_row_state(
         raise ValueError(f"{key!r} is not a per-row optimizer state; per-row: {per_row}")
     rows, delta = rows.cpu(), delta.cpu()  # the slot map is on the host
     c = ebc._caches.get(table)
-    slots = c.row_slot[rows].long() if c is not None else torch.full_like(rows, -1)
+    slots = c.slots_of(rows) if c is not None else torch.full_like(rows, -1)
     hit = slots >= 0
     if bool(hit.any()):
         cached = ebc._slots()._table_state(ebc._slot_home[table])[key]

@@ -73,7 +73,7 @@ def write_back(ebc: CachedEmbeddingBagCollection, i: int, slots: torch.Tensor) -
     """Store the FP32 rows of ``slots`` into the backing store; copy their state."""
     t, c = ebc.tables[i], ebc._caches[i]
     slots = slots.long().contiguous()
-    rows = c.slot_rows.index_select(0, slots)
+    rows = c.rows_in(slots)
     backing, k = ebc._backing(i)
     # The draws the kernel would make for these rows at this iteration (the kernel
     # itself never updates them at this iteration: they are idle).
@@ -105,7 +105,7 @@ def admit(
         # read now, the others by the kernels) and the dirty victims' rows
         dirty = c.dirty_among(plan.victims)
         misses = uniq.masked_select(slots < 0)
-        _prefetch(ebc, i, torch.cat([misses, c.slot_rows[dirty]]))
+        _prefetch(ebc, i, torch.cat([misses, c.rows_in(dirty)]))
     if plan.victims.numel():
         ebc._evict(i, plan.victims)
     if plan.rows.numel():
@@ -139,7 +139,7 @@ def flush(ebc: CachedEmbeddingBagCollection) -> None:
 @torch.no_grad()
 def copy_state_back(ebc: CachedEmbeddingBagCollection, i: int, slots: torch.Tensor) -> None:
     """Copy the optimizer state of table ``i``'s ``slots`` to their rows' backing state."""
-    rows = ebc._caches[i].slot_rows[slots]
+    rows = ebc._caches[i].rows_in(slots)
     ebc._mover.copy_state_back(_slot_rows(ebc, i), slots, _backing_rows(ebc, i), rows)
 
 
@@ -150,7 +150,7 @@ def refresh_cached_state(ebc: CachedEmbeddingBagCollection) -> None:
         slots = c.occupied()
         if not slots.numel():
             continue
-        rows = c.slot_rows[slots]
+        rows = c.rows_in(slots)
         ebc._mover.refresh_state(_backing_rows(ebc, i), rows, _slot_rows(ebc, i), slots)
 
 

@@ -74,7 +74,8 @@ def plan_admission(
     slot_rows: torch.Tensor,
     busy: torch.Tensor,
     last_used: torch.Tensor,
-    freq: torch.Tensor,
+    miss_freq: torch.Tensor,
+    slot_freq: torch.Tensor,
 ) -> Admission:
     """Choose the misses to admit and the slots they take (pure; nothing is changed).
 
@@ -82,11 +83,14 @@ def plan_admission(
         policy: the rule (see the module docstring).
         miss_rows: ``(M,)`` missed rows of this batch, ascending.
         miss_counts: ``(M,)`` how often each occurs in this batch.
-        slot_rows: ``(C,)`` row held by each slot, ``-1`` if free.
+        slot_rows: ``(C,)`` row held by each slot, ``-1`` if free (int32 or int64).
         busy: ``(C,)`` bool, slots this batch uses (hits): never victims.
-        last_used: ``(C,)`` the last batch number that used each slot (LRU).
-        freq: ``(rows,)`` lookups of every row so far, this batch included (LFU; may
-            be empty for other policies).
+        last_used: ``(C,)`` the last batch number that used each slot (LRU; may be
+            empty for other policies).
+        miss_freq: ``(M,)`` lookups of each missed row so far, this batch included
+            (LFU; may be empty for other policies).
+        slot_freq: ``(C,)`` lookups so far of the row each slot holds, this batch
+            included (LFU; may be empty for other policies).
 
     Returns:
         The ``Admission``; empty for ``STATIC`` or when nothing misses.
@@ -94,9 +98,10 @@ def plan_admission(
     if policy is CachePolicy.STATIC or miss_rows.numel() == 0 or slot_rows.numel() == 0:
         return _empty()
     # index_select throughout: advanced indexing (t[i]) costs several times more on CPU
-    hotness = miss_counts if policy is CachePolicy.LRU else freq.index_select(0, miss_rows)
+    hotness = miss_counts if policy is CachePolicy.LRU else miss_freq
     order = torch.sort(-hotness, stable=True).indices  # rows asc break ties
     misses = miss_rows.index_select(0, order)
+    hotness = hotness.index_select(0, order)
     occupied = slot_rows >= 0
     free = torch.nonzero(~occupied).flatten()
     n_free = min(free.numel(), misses.numel())
@@ -105,14 +110,14 @@ def plan_admission(
     k = min(rest.numel(), idle.numel())
     victims = idle[:0]
     if k:
-        rows = slot_rows.index_select(0, idle)
+        rows = slot_rows.index_select(0, idle).long()
         lru = policy is CachePolicy.LRU
-        key = last_used.index_select(0, idle) if lru else freq.index_select(0, rows)
+        key = (last_used if lru else slot_freq).index_select(0, idle).long()
         victims = idle.index_select(0, _first_by_key_then_row(key, rows, k))
         if policy is CachePolicy.LFU:
             # misses by count desc, victims by count asc: the condition holds on a prefix
-            hot = freq.index_select(0, rest[:k])
-            cold = freq.index_select(0, slot_rows.index_select(0, victims))
+            hot = hotness[n_free : n_free + k]
+            cold = slot_freq.index_select(0, victims)
             victims = victims[: int((hot > cold).sum())]
     k = victims.numel()
     return Admission(

@@ -186,7 +186,7 @@ def route_batch(
         if admit:
             rows, slots = ebc._admit(i, ids)
             touched.append((i, rows, slots.to(torch.int32)))
-        slot = ebc._caches[i].row_slot[ids].long()
+        slot = ebc._caches[i].slots_of(ids)
         hit = slot >= 0
         dest[seg] = torch.where(hit, CACHE, home).to(torch.int8)
         local[seg] = torch.where(hit, slot, ids)

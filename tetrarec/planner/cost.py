@@ -147,9 +147,10 @@ ROWWISE_KINDS = (OptimizerKind.ROWWISE_ADAGRAD, OptimizerKind.ROWWISE_ADAM)
 
 #: A cache slot holds an FP32 row: 4 bytes per column.
 FP32_BYTES = 4
-#: ``SlotMap``'s host bytes per slot (its row, int64; last use, int64; dirty, bool) and
-#: per row of the table (its slot, int32); LFU's per-row count (8 more) is not counted.
-SLOT_MAP_BYTES_PER_SLOT = 17
+#: ``SlotMap``'s host bytes per slot (its row, int32; LRU's last use, int64; dirty, bool:
+#: LFU's count in place of the last use takes 4 fewer) and per row of the table (its
+#: slot or LFU's count, one int32), for every policy.
+SLOT_MAP_BYTES_PER_SLOT = 13
 SLOT_MAP_BYTES_PER_ROW = 4
 
 

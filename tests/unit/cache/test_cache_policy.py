@@ -83,7 +83,8 @@ def test_plan_admission_orders_victims_by_last_use_then_row():
         slot_rows=torch.tensor([5, -1, 7, 9]),
         busy=torch.tensor([False, False, False, True]),
         last_used=torch.tensor([2, 0, 1, 0]),
-        freq=torch.empty(0, dtype=torch.int64),
+        miss_freq=torch.empty(0, dtype=torch.int64),
+        slot_freq=torch.empty(0, dtype=torch.int32),
     )
     assert plan.slots.tolist() == [1, 2, 0]
     assert plan.rows.tolist() == [3, 4, 8]

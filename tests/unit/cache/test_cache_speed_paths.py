@@ -153,7 +153,8 @@ def test_plan_admission_matches_the_plain_rule_on_random_caches(policy):
         miss_counts = torch.randint(1, 4, (miss_rows.numel(),), generator=gen)
         plan = plan_admission(
             policy, miss_rows=miss_rows, miss_counts=miss_counts, slot_rows=slot_rows,
-            busy=busy, last_used=last_used, freq=freq,
+            busy=busy, last_used=last_used, miss_freq=freq[miss_rows],
+            slot_freq=freq[slot_rows.clamp_min(0)].int(),
         )  # fmt: skip
         want = _plain_plan(policy, miss_rows, miss_counts, slot_rows, busy, last_used, freq)
         assert plan.rows.tolist() == want[0], seed

@@ -107,11 +107,11 @@ def test_row_wise_and_cached_shards_by_hand() -> None:
     )
     c = shard_cost(INPUTS, TABLE, cached, 1000, 4)
     assert c.lookup_s == pytest.approx(_u(16) * 56 * (0.5 / 1e9 + 0.5 / 1e8))
-    # 50 slots of an FP32 row (16 B) and its row-wise state (4 B); SlotMap: 17 B per
+    # 50 slots of an FP32 row (16 B) and its row-wise state (4 B); SlotMap: 13 B per
     # slot, 4 B per row of the shard
     slots = 50 * (16 + 4)
     maps = SlotMap(50, 1000, CachePolicy.LRU).metadata_bytes()
-    assert maps == 50 * 17 + 1000 * 4
+    assert maps == 50 * 13 + 1000 * 4
     assert c.cache == slots + maps
     assert c.memory == (0.0, slots + maps + 384, 20000)
 
