@@ -195,6 +195,13 @@ class RowRuleOptimizer(torch.optim.Optimizer):
                     "embedding's Adam was torch.optim.SparseAdam before), so start a new run"
                 )
         super().load_state_dict(state_dict)
+        # torch leaves a state named "step" where and as it was loaded (its own is a
+        # scalar count kept on the host); this rule's "step" is a per-row FP32 column like
+        # the moments, so it joins its parameter's device: a resume on CUDA indexed a
+        # host copy with the device's row ids.
+        for p in params:
+            for k, v in self.state[p].items():
+                self.state[p][k] = v.to(device=p.device, dtype=torch.float32)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]  # torch's overloads

@@ -174,3 +174,25 @@ def test_schedule_warmup_then_linear_and_cosine_decay() -> None:
     assert lr_scale(3, OptimConfig()) == 1.0
     with pytest.raises(ValueError, match="decay_steps"):
         OptimConfig(decay=DecayKind.COSINE, decay_steps=0)
+
+
+@pytest.mark.parametrize("kind", ["adam", "rowwise_adam"])
+def test_a_loaded_row_rule_state_joins_its_parameter_whatever_it_was_saved_as(kind) -> None:
+    """Bug caught on an H200: torch's ``load_state_dict`` leaves any state named "step"
+    as loaded (its own is a host scalar), so the row rule's per-row step column stayed on
+    the host when a resume ran on CUDA and the next step indexed it with device row ids;
+    here a step column saved as FP64 stayed FP64. Every state tensor must come back as
+    FP32 beside its parameter, and the next step must run."""
+    p = nn.Parameter(torch.randn(6, 4))
+    spec = SparseOptimizerSpec(kind=kind, lr=0.1)
+    opt = build_sparse_optimizer(spec, [p])
+    saved = opt.state_dict()
+    saved["state"][0] = {k: v.double() + 1 for k, v in saved["state"][0].items()}
+    opt.load_state_dict(saved)
+    for v in opt.state[p].values():
+        assert v.dtype == torch.float32
+        assert v.device == p.device
+    assert torch.equal(opt.state[p]["step"], torch.ones(6, 1))
+    p.grad = torch.randn(6, 4)
+    opt.step()
+    assert torch.equal(opt.state[p]["step"], torch.full((6, 1), 2.0))
