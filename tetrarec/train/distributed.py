@@ -40,15 +40,23 @@ from tetrarec.data import DenseTransform, TransformedDataset, build_datasets
 from tetrarec.planner import Topology, inputs_from_config
 from tetrarec.planner import plan as make_planned
 from tetrarec.sharding import (
+    STRATEGIES,
     ShardingEnv,
     ShardingPlan,
     check_ranks_agree,
     plan_by_type,
     shard_model,
 )
+from tetrarec.sharding.strategy import Split
 from tetrarec.train.build import RunParts, build_parts, model_embeddings
 
-__all__ = ["make_plan", "run_datasets", "sharded_parts", "sharding_env"]
+__all__ = [
+    "check_sharding_settings",
+    "make_plan",
+    "run_datasets",
+    "sharded_parts",
+    "sharding_env",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +125,39 @@ def run_datasets(
             every[0],
         )
     return train.with_transform(first), held_out.with_transform(first)
+
+
+def check_sharding_settings(config: RunConfig) -> None:
+    """Refuse a ``[sharding]`` setting that cannot work, before any training.
+
+    What one process can check without a world: a plan file that is missing, unreadable
+    or does not fit the tables, and a column block that does not divide the dim of a
+    table whose type splits columns. (A one-process run trains unsharded; it refuses
+    these all the same, so that a config is not found broken only under ``torchrun``.)
+
+    Raises:
+        ValueError: naming the key (``sharding.plan`` or ``sharding.column_block``).
+    """
+    sc = config.sharding
+    tables = model_tables(config.model)
+    if sc.plan is not None:
+        try:
+            ShardingPlan.load(sc.plan).validate(tables)
+        except FileNotFoundError:
+            raise ValueError(f"sharding.plan: no such file: {sc.plan}") from None
+        except (ValueError, OSError) as e:
+            raise ValueError(f"sharding.plan: {e}") from None
+        return
+    if sc.type is None or sc.column_block is None:
+        return
+    kinds = table_sharding_types(config.model, sc.type)
+    for table, kind in zip(tables, kinds, strict=True):
+        splits_columns = STRATEGIES[kind].cost.split is Split.COLUMNS
+        if splits_columns and table.dim % sc.column_block:
+            raise ValueError(
+                f"sharding.column_block = {sc.column_block} does not divide the dim "
+                f"({table.dim}) of table {table.name!r}, {kind.value}"
+            )
 
 
 def make_plan(config: RunConfig, env: ShardingEnv) -> ShardingPlan:

@@ -64,7 +64,12 @@ from tetrarec.train.checkpoint import (
     prune_checkpoints,
     read_meta,
 )
-from tetrarec.train.distributed import run_datasets, sharded_parts, sharding_env
+from tetrarec.train.distributed import (
+    check_sharding_settings,
+    run_datasets,
+    sharded_parts,
+    sharding_env,
+)
 from tetrarec.train.evaluate import evaluate
 from tetrarec.train.metrics import BestEval, Metrics, miscalibration
 from tetrarec.train.optim import set_learning_rate
@@ -176,6 +181,7 @@ class _Run:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         self.env = sharding_env(config, launch, self.device) if launch.distributed else None
         if self.env is None and (config.sharding.type or config.sharding.plan):
+            check_sharding_settings(config)
             logger.info("one process: the [sharding] section applies to torchrun launches")
         self.rank, self.world = (self.env.rank, self.env.world_size) if self.env else (0, 1)
         self.train_ds, self.eval_ds = run_datasets(config, self.env)
