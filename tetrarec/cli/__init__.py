@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from tetrarec import jsonio
 from tetrarec.cli.common import at_least_one, write_json
+from tetrarec.cli.errors import first_to_say
 from tetrarec.cli.inference import INFERENCE_COMMANDS, add_inference_commands
 
 if TYPE_CHECKING:
@@ -469,8 +470,11 @@ def _build_kernels(command: str) -> None:
         ) from e
 
 
-def _fail(command: str, error: BaseException, status: int) -> int:
-    print(f"tetrarec {command}: error: {_one_line(error)}", file=sys.stderr)
+def _fail(command: str, error: BaseException, status: int, launch: LaunchInfo) -> int:
+    """Print the error's line (once per distinct line on a torchrun node); ``status``."""
+    line = f"tetrarec {command}: error: {_one_line(error)}"
+    if first_to_say(line, launch.world_size):
+        print(line, file=sys.stderr)
     return status
 
 
@@ -515,11 +519,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tetrarec {args.command}: terminated (SIGTERM)", file=sys.stderr)
         return 143
     except (NonFiniteLossError, NonFiniteStateError, CollectiveError, _RunFailedError) as e:
-        return _fail(args.command, e, 1)
+        return _fail(args.command, e, 1, args.launch)
     except (ValueError, FileNotFoundError) as e:  # DataError is a ValueError
-        return _fail(args.command, e, 2)
+        return _fail(args.command, e, 2, args.launch)
     except OSError as e:
-        return _fail(args.command, e, 1)
+        return _fail(args.command, e, 1, args.launch)
     except KeyboardInterrupt:
         print(f"tetrarec {args.command}: interrupted", file=sys.stderr)
         return 130
