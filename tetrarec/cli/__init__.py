@@ -59,6 +59,7 @@ from tetrarec import jsonio
 from tetrarec.cli.common import at_least_one, write_json
 from tetrarec.cli.errors import first_to_say
 from tetrarec.cli.inference import INFERENCE_COMMANDS, add_inference_commands
+from tetrarec.cli.orphan import watch_launcher
 
 if TYPE_CHECKING:
     from tetrarec.comm import LaunchInfo
@@ -510,6 +511,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tetrarec.train import NonFiniteLossError, NonFiniteStateError
 
     on_term = _raise_on_sigterm()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: stop if it dies
+        watch_launcher()
     try:
         with logging_redirect_tqdm():
             _check_json_path(getattr(args, "json", None))
