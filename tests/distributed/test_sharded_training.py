@@ -113,6 +113,10 @@ def two_ranks(tmp_path_factory):
                                 "model.precision=fp16", "train.steps=3", ck("resumed"))),
         Scenario("second_half", (*TINY, MIXED, *DENSE, "optim.sparse.kind=adam",
                                  "model.precision=fp16", ck("resumed")), resume=True),
+        Scenario("stopped_first", (*TINY, MIXED, *DENSE, "optim.sparse.kind=adam",
+                                   "model.precision=fp16", ck("stopped")), stop_rank=1),
+        Scenario("stopped_second", (*TINY, MIXED, *DENSE, "optim.sparse.kind=adam",
+                                    "model.precision=fp16", ck("stopped")), resume=True),
         Scenario("other_plan_on_resume", (*TINY, "sharding.type=row_wise", "optim.sparse.kind=adam",
                                           "model.precision=fp16", ck("resumed")), resume=True),
         Scenario("keep_best", (*TINY, MIXED, "train.eval_every=1", "train.keep_best=log_loss",
@@ -272,6 +276,29 @@ def test_resuming_a_sharded_run_is_bitwise_equal_to_an_uninterrupted_one(two_ran
     plan = ShardingPlan.from_dict(meta["plan"])
     assert plan.fingerprint() == meta["fingerprint"]
     assert len(meta["ranks"]) == 2
+
+
+def test_a_stop_asked_of_one_rank_stops_every_rank_after_one_step_with_its_checkpoint(
+    two_ranks,
+):
+    """SIGTERM reaches the ranks at different moments: the stop request rides on the
+    step's loss all-reduce, so all stop after the same step and write its checkpoint
+    together. Bugs caught: only the asked rank stopping (the other hangs in the next
+    step's collective, the harness's deadline fails it), ranks checkpointing different
+    steps, no checkpoint on stop, a resume from it not equal to an uninterrupted run."""
+    results, tmp = two_ranks
+    first = results["stopped_first"]
+    assert [r["ok"] for r in first] == [False, False], first
+    for r in first:
+        assert r["error"].startswith("TrainingStoppedError: stopped after step 1; checkpoint ")
+        assert r["error"].endswith("step_00000001")
+    assert all(r["ok"] for r in results["stopped_second"]), results["stopped_second"]
+    a, b = tmp / "straight" / "step_00000006", tmp / "stopped" / "step_00000006"
+    for f in sorted(p.name for p in a.glob("*.safetensors")):
+        ta, tb = load_file(str(a / f)), load_file(str(b / f))
+        assert ta.keys() == tb.keys(), f
+        for k in ta:
+            assert (ta[k] == tb[k]).all(), (f, k)
 
 
 def test_a_sharded_sgd_run_resumes_to_the_uninterrupted_runs_metrics(two_ranks):

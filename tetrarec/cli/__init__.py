@@ -43,6 +43,7 @@ SIGTERM to its script and waits for it to delete its scratch, at most about a mi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -51,7 +52,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,8 @@ from tetrarec.cli.common import at_least_one, write_json
 from tetrarec.cli.errors import first_to_say
 from tetrarec.cli.inference import INFERENCE_COMMANDS, add_inference_commands
 from tetrarec.cli.orphan import watch_launcher
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from tetrarec.comm import LaunchInfo
@@ -222,7 +225,8 @@ def _train(args: argparse.Namespace) -> int:
     # The overrides are merged into the file's values before validation: the file
     # alone need not be a complete run (a Parquet run's paths may come from --set).
     config = _with_json(RunConfig.from_toml(args.config, args.overrides), args.json)
-    result = train(config, resume=args.resume, launch=args.launch)
+    with _stop_on_sigterm() as stop:
+        result = train(config, resume=args.resume, launch=args.launch, stop=stop)
     if args.launch.rank != 0:  # rank 0 reports for the run
         return 0
     if result.final is not None:
@@ -508,7 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from tetrarec.comm import CollectiveError
-    from tetrarec.train import NonFiniteLossError, NonFiniteStateError
+    from tetrarec.train import NonFiniteLossError, NonFiniteStateError, TrainingStoppedError
 
     on_term = _raise_on_sigterm()
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: stop if it dies
@@ -520,6 +524,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _COMMANDS[args.command](args)
     except _Terminated:
         print(f"tetrarec {args.command}: terminated (SIGTERM)", file=sys.stderr)
+        return 143
+    except TrainingStoppedError as e:
+        if args.launch.rank == 0:
+            print(f"tetrarec {args.command}: SIGTERM: {e}", file=sys.stderr)
         return 143
     except (NonFiniteLossError, NonFiniteStateError, CollectiveError, _RunFailedError) as e:
         return _fail(args.command, e, 1, args.launch)
@@ -549,6 +557,31 @@ def _check_json_path(path: str | None) -> None:
 
 class _Terminated(BaseException):
     """SIGTERM, raised in the main thread so that the run unwinds as for Ctrl-C."""
+
+
+@contextlib.contextmanager
+def _stop_on_sigterm() -> Iterator[threading.Event]:
+    """An event that the first SIGTERM sets; a second SIGTERM raises ``_Terminated``.
+
+    A run given the event checkpoints the step it is in and raises
+    ``TrainingStoppedError``. Off the main thread (no handler there) it is never set.
+    """
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def request_stop(signum: int, frame: Any) -> None:
+        if stop.is_set():
+            raise _Terminated
+        stop.set()
+        logger.warning("SIGTERM: stopping after this step, with a checkpoint of it")
+
+    previous = signal.signal(signal.SIGTERM, request_stop)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _raise_on_sigterm() -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,12 +23,15 @@ class Scenario:
         overrides: config overrides, the same on every rank...
         rank_overrides: ...plus these on some ranks (rank -> overrides).
         resume: continue from the newest checkpoint.
+        stop_rank: the rank whose ``stop`` event is set before it trains (``None``:
+            none): every rank must stop after the same step, with its checkpoint.
     """
 
     name: str
     overrides: tuple[str, ...]
     rank_overrides: tuple[tuple[int, tuple[str, ...]], ...] = ()
     resume: bool = False
+    stop_rank: int | None = None
 
 
 def train_worker(ctx: RankContext, scenarios: Sequence[Scenario]) -> list[dict[str, Any]]:
@@ -45,7 +49,10 @@ def train_worker(ctx: RankContext, scenarios: Sequence[Scenario]) -> list[dict[s
         extra = dict(sc.rank_overrides).get(ctx.rank, ())
         try:
             config = RunConfig().with_overrides([*sc.overrides, *extra])
-            result = train(config, resume=sc.resume, launch=launch)
+            stop = threading.Event()
+            if sc.stop_rank == ctx.rank:
+                stop.set()
+            result = train(config, resume=sc.resume, launch=launch, stop=stop)
             out.append({"ok": True, **result.to_dict()})
         except Exception as e:
             out.append({"ok": False, "error": f"{type(e).__name__}: {e}"})

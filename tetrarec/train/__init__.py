@@ -5,7 +5,7 @@ from tetrarec.train.build import RunParts, build_parts
 from tetrarec.train.checkpoint import latest_checkpoint, read_checkpoint
 from tetrarec.train.demo import demo_config
 from tetrarec.train.evaluate import checkpoint_config, evaluate, evaluate_checkpoint
-from tetrarec.train.loop import NonFiniteLossError, TrainResult, train
+from tetrarec.train.loop import NonFiniteLossError, TrainingStoppedError, TrainResult, train
 from tetrarec.train.metrics import BestEval, MetricAccumulator, Metrics, compute_metrics
 from tetrarec.train.optim import RowWiseAdagrad, build_dense_optimizer, build_sparse_optimizer
 from tetrarec.train.schedule import lr_scale
@@ -26,6 +26,7 @@ __all__ = [
     "RowWiseAdagrad",
     "RunParts",
     "TrainResult",
+    "TrainingStoppedError",
     "build_dense_optimizer",
     "build_parts",
     "build_sparse_optimizer",

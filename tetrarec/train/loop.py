@@ -35,6 +35,7 @@ import math
 import os
 import random
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -90,9 +91,26 @@ from tetrarec.train.state import (
 from tetrarec.train.static_cache import log_pinned, pinned_rows, sample_counts
 from tetrarec.train.summary import TrainResult, _log_summary, _write_json
 
-__all__ = ["NonFiniteLossError", "TrainResult", "train"]
+__all__ = ["NonFiniteLossError", "TrainResult", "TrainingStoppedError", "train"]
 
 logger = logging.getLogger(__name__)
+
+
+class TrainingStoppedError(Exception):
+    """The run was asked to stop (``train``'s ``stop``: SIGTERM in the CLI).
+
+    It stopped after a whole step, which every rank agreed on, and checkpointed it.
+
+    Attributes:
+        step: the last step trained.
+        checkpoint: the checkpoint of that step (``None`` without ``checkpoint_dir``).
+    """
+
+    def __init__(self, step: int, checkpoint: Path | None) -> None:
+        where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint_dir: nothing saved"
+        super().__init__(f"stopped after step {step}; {where}")
+        self.step = step
+        self.checkpoint = checkpoint
 
 
 class NonFiniteLossError(RuntimeError):
@@ -111,7 +129,11 @@ class NonFiniteLossError(RuntimeError):
 
 
 def train(
-    config: RunConfig, *, resume: bool = False, launch: LaunchInfo | None = None
+    config: RunConfig,
+    *,
+    resume: bool = False,
+    launch: LaunchInfo | None = None,
+    stop: threading.Event | None = None,
 ) -> TrainResult:
     """Run the training ``config`` describes (see the module docstring).
 
@@ -121,12 +143,16 @@ def train(
         launch: where this process sits in a ``torchrun`` launch (read from the
             environment once, by the caller); several ranks train sharded
             (``tetrarec.train.distributed``). Default: one process.
+        stop: set (from a signal handler, another thread) to stop the run after the
+            step it is in, with a checkpoint of that step: under torchrun the ranks
+            agree on the step through the loss's all-reduce (no extra collective).
 
     Returns:
         The run's summary.
 
     Raises:
         NonFiniteLossError: if a step's loss is not finite (naming the step).
+        TrainingStoppedError: after ``stop`` was set, once the step's checkpoint is written.
         ValueError: on a bad configuration, ``resume`` without a checkpoint, or a
             fresh run whose ``checkpoint_dir`` holds checkpoints (unless
             ``train.overwrite_checkpoints``).
@@ -139,7 +165,7 @@ def train(
     owns_group = launch.distributed and not is_joined()
     with _runtime(config.train):
         try:
-            run = _Run(config, launch)
+            run = _Run(config, launch, stop)
         except BaseException:
             if owns_group:
                 destroy()
@@ -159,8 +185,12 @@ def train(
 class _Run:
     """The state of one ``train`` call; one method per phase of the loop."""
 
-    def __init__(self, config: RunConfig, launch: LaunchInfo) -> None:
+    def __init__(
+        self, config: RunConfig, launch: LaunchInfo, stop: threading.Event | None = None
+    ) -> None:
         self.config = config
+        self.stop = stop
+        self.stopping = False  # every rank agreed to stop after this step
         writer = _summary_writer_class(config.train)  # every rank: fails them all alike
         # Every RNG starts from train.seed; a resume then restores the saved states.
         random.seed(config.train.seed)
@@ -354,6 +384,12 @@ class _Run:
                 seconds += time.perf_counter() - t0
                 bar.update(dc.batch_size)
                 self._after_step(loss, bar)
+                if self.stopping:
+                    if tc.checkpoint_dir and not self._saved_now():
+                        self._checkpoint()
+                    raise TrainingStoppedError(
+                        self.step, self.last_checkpoint if tc.checkpoint_dir else None
+                    )
         if not self.evals or self.evals[-1][0] != self.step:
             self._evaluate()
         if tc.checkpoint_dir and not self._saved_now():
@@ -408,10 +444,21 @@ class _Run:
         return value
 
     def _global_loss(self, share: torch.Tensor) -> float:
-        """The global batch's loss (the same on every rank, so all stop on a bad one)."""
+        """The global batch's loss (the same on every rank, so all stop on a bad one).
+
+        It carries each rank's stop request too (``stop``), summed in the same
+        all-reduce: every rank learns in the same step that one was asked to stop
+        (``stopping``), so they all checkpoint that step.
+        """
+        asked = self.stop is not None and self.stop.is_set()
         if self.env is None:
+            self.stopping = asked
             return float(share)
-        return float(self.env.comm.all_reduce(share.reshape(1), label="loss").wait())
+        flag = share.new_tensor([1.0 if asked else 0.0])
+        both = self.env.comm.all_reduce(torch.cat([share.reshape(1), flag]), label="loss")
+        loss, requests = both.wait().tolist()
+        self.stopping = requests > 0
+        return float(loss)
 
     def _after_step(self, loss: float, bar: tqdm[Any]) -> None:
         tc = self.config.train
