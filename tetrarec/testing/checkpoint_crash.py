@@ -23,6 +23,7 @@ from tetrarec.train.checkpoint import (
     CheckpointData,
     latest_checkpoint,
     list_checkpoints,
+    rank_file,
     read_checkpoint,
     read_rank_tensors,
     verify_for_load,
@@ -126,14 +127,16 @@ def _observe(ctx: RankContext, root: Path) -> dict[str, Any]:
     }
 
 
-def crash_worker(ctx: RankContext, root: str, cases: list[CrashCase]) -> list[dict[str, Any]]:
-    """For each case: step 1 written, step 2 crashed at the case's stage, step 3 written.
+def crash_worker(ctx: RankContext, root: str, cases: list[CrashCase]) -> dict[str, Any]:
+    """Every case's crash in turn, then a damaged rank file; what this rank saw.
 
-    Each case uses its own directory under ``root``. Returns per case what this rank
-    saw after the crash (``after_crash``, and the error it raised) and after the next
-    write (``after_next``).
+    For each case (its own directory under ``root``): step 1 written, step 2 crashed at
+    the case's stage on the case's rank, step 3 written. ``crashes[i]`` holds the error
+    this rank raised, and what it saw after the crash (``after_crash``) and after the
+    next write (``after_next``). ``damaged``: the error each rank's verification gives
+    once rank 1's file of a complete checkpoint has a flipped byte.
     """
-    out = []
+    crashes = []
     for i, case in enumerate(cases):
         where = Path(root) / f"case{i}"
         _write(ctx, where, 1, None)
@@ -146,5 +149,20 @@ def crash_worker(ctx: RankContext, root: str, cases: list[CrashCase]) -> list[di
         ctx.comm.barrier(label="test")  # every rank out of the write before looking
         after_crash = _observe(ctx, where)
         _write(ctx, where, 3, None)
-        out.append({"error": error, "after_crash": after_crash, "after_next": _observe(ctx, where)})
-    return out
+        crashes.append(
+            {"error": error, "after_crash": after_crash, "after_next": _observe(ctx, where)}
+        )
+    where = Path(root) / "damaged"
+    path = _write(ctx, where, 1, None)
+    if ctx.rank == 1:
+        file = path / rank_file(1)
+        raw = bytearray(file.read_bytes())
+        raw[-1] ^= 0x40
+        file.write_bytes(bytes(raw))
+    ctx.comm.barrier(label="test")
+    try:
+        verify_for_load(path, ctx.comm)
+        damaged = None
+    except ValueError as e:
+        damaged = str(e)
+    return {"crashes": crashes, "damaged": damaged}
