@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tetrarec.config import RunConfig
+from tetrarec.testing.checkpoint_crash import reseal
 from tetrarec.train import (
     NonFiniteLossError,
     evaluate_checkpoint,
@@ -127,6 +128,7 @@ def test_a_resume_takes_the_optimizer_settings_from_its_config(
         assert meta[optim]["param_groups"] != old_meta[optim]["param_groups"]
         meta[optim]["param_groups"] = old_meta[optim]["param_groups"]
     meta_path.write_text(json.dumps(meta))
+    reseal(meta_path.parent)  # an edit on purpose: past the manifest's check
     _scramble_global_rngs()
     resumed = train(tiny(tmp_path / "b", *new, "train.steps=5"), resume=True)
     a = read_checkpoint(latest_checkpoint(tmp_path / "a"))
