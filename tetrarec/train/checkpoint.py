@@ -10,9 +10,16 @@ A checkpoint is a directory ``<root>/step_<8 digits>/`` holding::
                           optimizer state and the rank's RNG states; tensors.safetensors
                           then holds the dense layers and their optimizer (rank 0's)
 
-It is written into ``<root>/.tmp-step_<...>-<pid>/`` and renamed into place only when
-both files are complete and flushed, so a crash leaves either the whole checkpoint or
-a temporary directory that ``latest_checkpoint`` never picks (and the next save removes).
+    manifest.json         written last: step, data position, world size, plan
+                          fingerprint, and each file's size and SHA-256
+                          (``tetrarec.train.checkpoint_manifest``)
+
+It is written into ``<root>/.tmp-step_<...>/`` and renamed into place only when every
+file and then the manifest are complete and flushed, so a crash leaves either the whole
+checkpoint or a temporary directory that ``latest_checkpoint`` never picks (and the next
+save removes). Readers verify the manifest, the files' sizes and the SHA-256 of the
+files they read before reading any tensor. Pruning (``prune_checkpoints``) runs only
+after a newer checkpoint is complete, so the newest complete one always survives a crash.
 
 ``<root>/best`` (a run with ``train.keep_best``) is a relative symbolic link to the best
 evaluated checkpoint, ``best -> step_<...>``. It is replaced atomically (a new link is
@@ -33,7 +40,7 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +52,14 @@ from safetensors.torch import load_file, save_file
 
 from tetrarec import jsonio
 from tetrarec.comm import Communicator
+from tetrarec.train.checkpoint_manifest import (
+    FileEntry,
+    StageHook,
+    WriteStage,
+    file_entry,
+    verify_checkpoint,
+    write_manifest,
+)
 
 __all__ = [
     "BEST_LINK",
@@ -63,6 +78,7 @@ __all__ = [
     "read_rank_tensors",
     "restore_rng_state",
     "unflatten_optimizer_state",
+    "verify_for_load",
     "write_checkpoint",
     "write_sharded_checkpoint",
 ]
@@ -97,27 +113,62 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_checkpoint(root: str | Path, data: CheckpointData) -> Path:
+def _clear_stale(root: Path) -> None:
+    """Remove what crashed writes left in ``root``: temporaries, never complete."""
+    for stale in [*root.glob(".tmp-step_*"), *root.glob(".tmp-old-step_*")]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _stage(on_stage: StageHook | None, stage: WriteStage, directory: Path) -> None:
+    if on_stage is not None:
+        on_stage(stage, directory)
+
+
+def write_checkpoint(
+    root: str | Path, data: CheckpointData, *, on_stage: StageHook | None = None
+) -> Path:
     """Write ``data`` atomically as ``<root>/step_<step>``; return its path.
 
-    An existing checkpoint of the same step is replaced (the new one is complete
-    before the old one is removed).
+    The files, then the manifest, are written into ``<root>/.tmp-step_<step>`` and
+    flushed; the directory is then renamed into place. An existing checkpoint of the
+    same step is replaced (the new one is complete before the old one is removed). On an
+    error the temporary directory is removed; one a crash leaves is removed by the next
+    write.
+
+    Args:
+        root: the run's checkpoint directory.
+        data: what to write.
+        on_stage: called at each ``WriteStage`` (tests inject crashes there).
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-step_*"):  # left by a crash; never complete
-        shutil.rmtree(stale, ignore_errors=True)
+    _clear_stale(root)
     final = root / f"step_{data.step:08d}"
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    tmp = root / f".tmp-{final.name}"
     tmp.mkdir()
     try:
-        _save_flushed(data.tensors, tmp / _TENSORS)
-        _write_meta(tmp, data)
+        _stage(on_stage, WriteStage.RANK_FILES_BEFORE, tmp)
+        entries = [_save_flushed(data.tensors, tmp / _TENSORS), _write_meta(tmp, data)]
+        _stage(on_stage, WriteStage.RANK_FILES_AFTER, tmp)
+        _seal(tmp, entries, data, on_stage)
     except BaseException:  # a full disk, Ctrl-C: the partial files are never read
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _replace(root, tmp, final)
+    _stage(on_stage, WriteStage.RENAME_AFTER, final)
     return final
+
+
+def _seal(
+    tmp: Path, entries: list[FileEntry], data: CheckpointData, on_stage: StageHook | None
+) -> None:
+    """Write the manifest of the complete files ``entries`` into ``tmp``, last."""
+    _stage(on_stage, WriteStage.MANIFEST_BEFORE, tmp)
+    write_manifest(
+        tmp, entries, step=data.step, meta=data.meta, checkpoint_format=CHECKPOINT_FORMAT
+    )
+    _stage(on_stage, WriteStage.MANIFEST_AFTER, tmp)
+    _stage(on_stage, WriteStage.RENAME_BEFORE, tmp)
 
 
 def rank_file(rank: int) -> str:
@@ -130,16 +181,32 @@ def write_sharded_checkpoint(
     data: CheckpointData,
     rank_tensors: dict[str, torch.Tensor],
     comm: Communicator,
+    *,
+    on_stage: StageHook | None = None,
 ) -> Path:
     """Write a checkpoint with one file per rank, atomically; every rank calls it.
 
     Rank 0 writes ``data`` (dense tensors and meta); every rank writes ``rank_tensors``
-    into the same temporary directory (the ranks share a file system), and rank 0
-    renames it into place once all are complete::
+    into the same temporary directory (the ranks share a file system); once every rank
+    reported its files complete (their sizes and SHA-256), rank 0 writes the manifest
+    and renames the directory into place::
 
-        rank 0: clear stale temporaries, make .tmp-step_N      | barrier
-        every rank: rank_<r>.safetensors, flushed              | (rank 0 also meta)
-        barrier | rank 0: rename to step_N, flush the directory | barrier
+        rank 0: clear stale temporaries, make .tmp-step_N          | exchange outcomes
+        every rank: rank_<r>.safetensors flushed and hashed        | exchange outcomes
+          (rank 0 also tensors.safetensors and meta.json)          |   and file entries
+        rank 0: manifest.json, rename to step_N, flush the root    | exchange outcomes
+
+    Each exchange is an all-gather of every rank's outcome: when one rank fails, every
+    rank raises (that rank its own error, the others an ``OSError`` naming it) instead
+    of waiting for it until the collective timeout, and no manifest is written. The
+    temporary directory is left for the next write to remove.
+
+    Args:
+        root: the run's checkpoint directory.
+        data: rank 0's dense tensors and meta (other ranks' ``tensors`` are ignored).
+        rank_tensors: this rank's tensors.
+        comm: the ranks' collectives.
+        on_stage: called at each ``WriteStage`` (tests inject crashes there).
 
     Returns:
         The checkpoint's final path.
@@ -147,25 +214,61 @@ def write_sharded_checkpoint(
     root = Path(root)
     final = root / f"step_{data.step:08d}"
     tmp = root / f".tmp-{final.name}"
-    if comm.rank == 0:
+    lead = comm.rank == 0
+
+    def prepare() -> None:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp-step_*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        _clear_stale(root)
         tmp.mkdir()
-    comm.barrier(label="checkpoint")
-    _save_flushed(rank_tensors, tmp / rank_file(comm.rank))
-    if comm.rank == 0:
-        _save_flushed(data.tensors, tmp / _TENSORS)
-        _write_meta(tmp, data)
-    comm.barrier(label="checkpoint")
-    if comm.rank == 0:
+
+    def own_files() -> list[dict[str, Any]]:
+        _stage(on_stage, WriteStage.RANK_FILES_BEFORE, tmp)
+        entries = [_save_flushed(rank_tensors, tmp / rank_file(comm.rank))]
+        if lead:
+            entries += [_save_flushed(data.tensors, tmp / _TENSORS), _write_meta(tmp, data)]
+        _stage(on_stage, WriteStage.RANK_FILES_AFTER, tmp)
+        return [{"name": e.name, **e.to_dict()} for e in entries]
+
+    def seal(entries: list[FileEntry]) -> None:
+        _seal(tmp, entries, data, on_stage)
         _replace(root, tmp, final)
-    comm.barrier(label="checkpoint")
+        _stage(on_stage, WriteStage.RENAME_AFTER, final)
+
+    _together(comm, final, prepare if lead else None)
+    files = _together(comm, final, own_files)
+    entries = [FileEntry(**e) for rank in files for e in rank]
+    _together(comm, final, (lambda: seal(entries)) if lead else None)
     return final
 
 
-def _save_flushed(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """Write ``tensors`` to ``path`` and flush it to disk.
+def _together(comm: Communicator, final: Path, work: Callable[[], Any] | None) -> list[Any]:
+    """Run ``work`` (``None``: nothing) on this rank, then agree with every rank.
+
+    Returns:
+        Every rank's result, in rank order.
+
+    Raises:
+        BaseException: this rank's own error, if ``work`` raised.
+        OSError: naming the rank and its error, if another rank's ``work`` raised.
+    """
+    error: BaseException | None = None
+    value = None
+    try:
+        value = work() if work is not None else None
+    except BaseException as e:  # a crash injected, a full disk: every rank must know
+        error = e
+    why = None if error is None else " ".join(f"{type(error).__name__}: {error}".split())
+    outcomes = comm.all_gather_json({"error": why, "value": value}, label="checkpoint")
+    if error is not None:
+        raise error
+    for rank, outcome in enumerate(outcomes):
+        if outcome["error"] is not None:
+            raise OSError(f"checkpoint {final} not written: rank {rank} failed: {outcome['error']}")
+    return [o["value"] for o in outcomes]
+
+
+def _save_flushed(tensors: dict[str, torch.Tensor], path: Path) -> FileEntry:
+    """Write ``tensors`` to ``path`` and flush it to disk; return its size and hash.
 
     Raises:
         OSError: if the file cannot be written (a full disk: safetensors raises its own
@@ -175,22 +278,23 @@ def _save_flushed(tensors: dict[str, torch.Tensor], path: Path) -> None:
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path))
     except SafetensorError as e:
         raise OSError(f"cannot write checkpoint file {path}: {e}") from e
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+    return file_entry(path, fsync=True)
 
 
-def _write_meta(directory: Path, data: CheckpointData) -> None:
+def _write_meta(directory: Path, data: CheckpointData) -> FileEntry:
     meta = {"format": CHECKPOINT_FORMAT, "step": data.step, **data.meta}
     with open(directory / _META, "w") as f:
         f.write(jsonio.dumps(meta, indent=1, sort_keys=True))
         f.flush()
         os.fsync(f.fileno())
+    return file_entry(directory / _META)
 
 
 def _replace(root: Path, tmp: Path, final: Path) -> None:
     """Rename the complete ``tmp`` to ``final`` (replacing an older one) and flush."""
     if final.exists():
-        old = root / f".tmp-old-{final.name}-{os.getpid()}"
+        old = root / f".tmp-old-{final.name}"
+        shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
@@ -199,16 +303,58 @@ def _replace(root: Path, tmp: Path, final: Path) -> None:
     _fsync_dir(root)
 
 
-def read_rank_tensors(path: str | Path, rank: int) -> dict[str, torch.Tensor]:
+def verify_for_load(path: str | Path, comm: Communicator | None = None) -> None:
+    """Verify checkpoint ``path`` before a run loads it; with ``comm``, on every rank.
+
+    Each process hashes what it reads: ``meta.json``, ``tensors.safetensors`` and, in a
+    sharded run, its own rank's file (every listed file's size is checked). With
+    ``comm`` the ranks then exchange what they found, so that a file damaged for one
+    rank is an error on every rank (the others would wait for it until the timeout).
+
+    Args:
+        path: the checkpoint.
+        comm: the ranks' collectives (``None``: one process).
+
+    Raises:
+        ValueError: naming the first missing or damaged file (and the rank that found
+            it, on the other ranks).
+    """
+    files = [_META, _TENSORS] + ([rank_file(comm.rank)] if comm is not None else [])
+    problem = None
+    try:
+        verify_checkpoint(path, hash_files=files)
+    except ValueError as e:
+        if comm is None:
+            raise
+        problem = str(e)
+    if comm is None:
+        return
+    problems = comm.all_gather_json(problem, label="checkpoint")
+    for rank, found in enumerate(problems):
+        if found is not None:
+            raise ValueError(found if rank == comm.rank else f"{found} (found by rank {rank})")
+
+
+def read_rank_tensors(
+    path: str | Path, rank: int, *, verify: bool = True
+) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s tensors of a sharded checkpoint.
+
+    Args:
+        path: the checkpoint.
+        rank: whose file to read.
+        verify: check the file against the manifest first (``verify_checkpoint``);
+            ``False`` where the caller did (``verify_for_load``).
 
     Raises:
         FileNotFoundError: if the checkpoint has no file for that rank.
-        ValueError: if that file is damaged (naming it).
+        ValueError: if that file is damaged, or differs from the manifest (naming it).
     """
     file = Path(path) / rank_file(rank)
     if not file.is_file():
         raise FileNotFoundError(f"{path} has no {rank_file(rank)} (written by another world?)")
+    if verify:
+        verify_checkpoint(path, hash_files=[rank_file(rank)])
     try:
         return load_file(str(file))
     except SafetensorError as e:
@@ -236,6 +382,10 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
     """Delete all but the ``keep`` newest checkpoints; return the deleted paths.
+
+    Call it only once the newest checkpoint is complete (after ``write_checkpoint``
+    returned, on rank 0 after ``write_sharded_checkpoint``): the checkpoints it counts
+    are the complete ones, so a crashed write's temporary directory never displaces one.
 
     The checkpoint ``<root>/best`` names (``mark_best``) is never deleted: it is kept
     besides the ``keep`` newest when older than them.
@@ -362,6 +512,7 @@ def read_checkpoint(
     *,
     require: Mapping[str, type] | None = None,
     prefixes: Sequence[str] | None = None,
+    verify: bool = True,
 ) -> CheckpointData:
     """Read a checkpoint directory written by ``write_checkpoint``.
 
@@ -369,14 +520,20 @@ def read_checkpoint(
     ``prefixes``: read only the tensors whose names start with one of these (``None``:
     all). Evaluation reads the model's (``"model."``, ``"embedding."``) and leaves the
     optimizer states, up to twice the tables' size under Adam, on disk.
+    ``verify``: first check the manifest, every file's size and the SHA-256 of
+    ``meta.json`` and ``tensors.safetensors`` (``verify_checkpoint``); ``False`` where
+    the caller did (``verify_for_load``).
 
     Raises:
         FileNotFoundError: if ``path`` is not a complete checkpoint.
-        ValueError: if its format version is unknown, or a file is damaged (naming it).
+        ValueError: if its format version is unknown, a file is damaged, or a file is
+            missing or differs from the manifest (naming it).
     """
     path = Path(path)
     if not (path / _META).is_file() or not (path / _TENSORS).is_file():
         raise _not_a_checkpoint(path, f"{_META} and {_TENSORS}")
+    if verify:
+        verify_checkpoint(path, hash_files=[_META, _TENSORS])
     meta = read_meta(path, require=require)
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(

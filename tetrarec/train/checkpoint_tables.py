@@ -32,6 +32,7 @@ from tetrarec.embedding import TableConfig
 from tetrarec.kernels import decode_rows, row_width
 from tetrarec.sharding import ShardingPlan
 from tetrarec.train.checkpoint import _damaged_meta, rank_file, read_meta
+from tetrarec.train.checkpoint_manifest import verify_checkpoint
 
 __all__ = ["CheckpointTables", "SavedBlock"]
 
@@ -78,11 +79,14 @@ class CheckpointTables:
 
     Raises:
         FileNotFoundError: if ``path`` is not a checkpoint, or a rank's file is missing.
-        ValueError: for damaged metadata or files, naming them.
+        ValueError: for damaged metadata or files, or files that differ from the
+            checkpoint's manifest (``verify_checkpoint``), naming them.
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        if (self.path / "meta.json").is_file():  # else read_meta names what is missing
+            verify_checkpoint(self.path)  # every file it may read, before any is read
         self.meta = read_meta(self.path, require={"config": dict})
         with _damaged_meta(self.path):  # the config, a sharded run's plan and layout
             self.config = RunConfig.from_dict(self.meta["config"])

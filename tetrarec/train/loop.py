@@ -87,6 +87,7 @@ from tetrarec.train.state import (
     load_run_state,
     restore_dense_transform,
     save_run_state,
+    verify_run_checkpoint,
 )
 from tetrarec.train.static_cache import log_pinned, pinned_rows, sample_counts
 from tetrarec.train.summary import TrainResult, _log_summary, _write_json
@@ -139,7 +140,10 @@ def train(
 
     Args:
         config: the run.
-        resume: continue from the newest checkpoint in ``train.checkpoint_dir``.
+        resume: continue from the newest complete checkpoint in
+            ``train.checkpoint_dir`` (verified against its manifest first); with none
+            there yet (a run that died before its first checkpoint), start from step 0
+            and log so.
         launch: where this process sits in a ``torchrun`` launch (read from the
             environment once, by the caller); several ranks train sharded
             (``tetrarec.train.distributed``). Default: one process.
@@ -153,8 +157,9 @@ def train(
     Raises:
         NonFiniteLossError: if a step's loss is not finite (naming the step).
         TrainingStoppedError: after ``stop`` was set, once the step's checkpoint is written.
-        ValueError: on a bad configuration, ``resume`` without a checkpoint, or a
-            fresh run whose ``checkpoint_dir`` holds checkpoints (unless
+        ValueError: on a bad configuration, ``resume`` without a
+            ``train.checkpoint_dir``, a missing or damaged checkpoint file (naming it),
+            or a fresh run whose ``checkpoint_dir`` holds checkpoints (unless
             ``train.overwrite_checkpoints``).
     """
     launch = launch or LaunchInfo()
@@ -266,9 +271,17 @@ class _Run:
 
     def resume(self) -> None:
         root = self.config.train.checkpoint_dir
-        path = latest_checkpoint(root) if root else None
+        if not root:
+            raise ValueError("resume: train.checkpoint_dir is not set: there is nothing to resume")
+        path = latest_checkpoint(root)
         if path is None:
-            raise ValueError(f"resume: no checkpoint in train.checkpoint_dir={root!r}")
+            # A run that died before its first checkpoint (or in the middle of writing
+            # it: a temporary directory is no checkpoint) restarts; the next checkpoint
+            # written removes what the crash left.
+            if self.rank == 0:
+                logger.info("resume: no complete checkpoint in %s yet; starting from step 0", root)
+            return
+        verify_run_checkpoint(path, self.parts)  # every rank, before anything is read
         meta = read_meta(path)
         saved = meta.get("config", {}).get("data", {}).get("batch_size")
         if saved is not None and saved != self.config.data.batch_size:
@@ -285,7 +298,7 @@ class _Run:
             advice="resume with the same [model.cache] settings (or start a new run)",
         )
         self._check_same_optimizers(path, meta.get("config", {}).get("optim", {}))
-        self.step, position = load_run_state(path, self.parts)
+        self.step, position = load_run_state(path, self.parts, verify=False)
         self.train_ds, self.eval_ds = restore_dense_transform(path, self.train_ds, self.eval_ds)
         if position != self.step:
             raise ValueError(f"{path}: data position {position} differs from step {self.step}")

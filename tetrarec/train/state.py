@@ -48,6 +48,7 @@ from tetrarec.train.checkpoint import (
     read_rank_tensors,
     restore_rng_state,
     unflatten_optimizer_state,
+    verify_for_load,
     write_checkpoint,
     write_sharded_checkpoint,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "load_run_state",
     "restore_dense_transform",
     "save_run_state",
+    "verify_run_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -283,20 +285,42 @@ def _load_model(data: CheckpointData, model: torch.nn.Module, path: str | Path) 
         )
 
 
-def load_run_state(path: str | Path, parts: RunParts) -> tuple[int, int]:
+def verify_run_checkpoint(path: str | Path, parts: RunParts) -> None:
+    """Verify checkpoint ``path`` against its manifest before ``parts`` loads it.
+
+    In a sharded run every rank calls it (it is collective): each hashes the files it
+    will read, and a missing or damaged file is the same error on every rank.
+
+    Raises:
+        ValueError: naming the first missing or damaged file.
+    """
+    sharded = parts.env is not None and parts.env.world_size > 1
+    verify_for_load(path, parts.env.comm if sharded and parts.env is not None else None)
+
+
+def load_run_state(path: str | Path, parts: RunParts, *, verify: bool = True) -> tuple[int, int]:
     """Restore model, optimizers and RNG states from a checkpoint.
 
     The optimizers keep the hyperparameters ``parts`` was built with (this run's
     config); only their state comes from the checkpoint (``_load_optimizer_state``).
 
+    Args:
+        path: the checkpoint.
+        parts: the run's model and optimizers, loaded in place.
+        verify: first verify the checkpoint (``verify_run_checkpoint``, collective in a
+            sharded run); ``False`` where the caller did.
+
     Returns:
         ``(step, data_position)``: steps done and the next global batch number.
 
     Raises:
-        ValueError: if the checkpoint does not fit the run (model or optimizers), or its
-            ``meta.json`` is damaged (a key missing, a value of another type).
+        ValueError: if a file is missing or damaged (naming it), the checkpoint does not
+            fit the run (model or optimizers), or its ``meta.json`` is damaged (a key
+            missing, a value of another type).
     """
-    data = read_checkpoint(path)
+    if verify:
+        verify_run_checkpoint(path, parts)
+    data = read_checkpoint(path, verify=False)
     with _damaged_meta(path):
         return _load_run_state(path, parts, data)
 
@@ -310,7 +334,7 @@ def _load_run_state(path: str | Path, parts: RunParts, data: CheckpointData) -> 
         rank = parts.env.rank
         data = CheckpointData(
             step=data.step,
-            tensors={**data.tensors, **read_rank_tensors(path, rank)},
+            tensors={**data.tensors, **read_rank_tensors(path, rank, verify=False)},
             meta=data.meta,
         )
         rank_meta = data.meta["sharding"]["ranks"][rank]

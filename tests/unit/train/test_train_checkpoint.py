@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from tetrarec.config import RunConfig
+from tetrarec.testing.checkpoint_crash import reseal
 from tetrarec.train import build_parts
 from tetrarec.train.checkpoint import (
     BEST_LINK,
@@ -42,7 +43,8 @@ def _data(step: int) -> CheckpointData:
 def test_write_read_round_trip_and_no_pickle(tmp_path) -> None:
     path = write_checkpoint(tmp_path, _data(5))
     assert path.name == "step_00000005"
-    assert sorted(p.name for p in path.iterdir()) == ["meta.json", "tensors.safetensors"]
+    names = sorted(p.name for p in path.iterdir())
+    assert names == ["manifest.json", "meta.json", "tensors.safetensors"]
     back = read_checkpoint(path)
     assert back.step == 5
     assert torch.equal(back.tensors["w"], torch.full((2, 3), 5.0))
@@ -257,6 +259,7 @@ def test_meta_without_a_key_it_needs_is_damaged_naming_the_key(tmp_path, change,
         else:
             meta[key] = value
     (path / "meta.json").write_text(json.dumps(meta))
+    reseal(path)  # the edit reaches the meta check, not the manifest's
     message = f"{path / 'meta.json'}: damaged checkpoint metadata ({problem})"
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         read_checkpoint(path, require={"config": dict})
@@ -324,6 +327,7 @@ def test_a_meta_config_claiming_a_huge_table_is_refused_before_allocating(tmp_pa
     meta = json.loads((path / "meta.json").read_text())
     meta["config"]["model"]["num_embeddings"] = [2**62, 7]
     (path / "meta.json").write_text(json.dumps(meta))
+    reseal(path)
     tables = CheckpointTables(path)
     with pytest.raises(ValueError, match=r"its layout says \(4611686018427387904, 4\)") as info:
         tables.read_table("C1")

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from tetrarec.config import RunConfig
 from tetrarec.data import build_datasets
 from tetrarec.sharding import ShardingEnv
+from tetrarec.testing.checkpoint_crash import reseal
 from tetrarec.train import build_parts, build_tables, read_checkpoint
 from tetrarec.train.build import RunParts
 from tetrarec.train.checkpoint import CheckpointData, list_checkpoints, write_checkpoint
@@ -66,7 +67,8 @@ def parts_of(cfg: RunConfig) -> RunParts:
 
 
 def edit_meta(path: Path, **changes: object) -> None:
-    """Change ``meta.json`` of checkpoint ``path`` (``None`` deletes a key)."""
+    """Change ``meta.json`` of checkpoint ``path`` (``None`` deletes a key), resealed
+    (the manifest would refuse the edit before the reader under test saw it)."""
     meta_path = path / "meta.json"
     meta = json.loads(meta_path.read_text())
     for key, value in changes.items():
@@ -75,6 +77,7 @@ def edit_meta(path: Path, **changes: object) -> None:
         else:
             meta[key] = value
     meta_path.write_text(json.dumps(meta))
+    reseal(path)
 
 
 # -- found by mutation testing (mutation/README.md) -----------------------------------------
@@ -128,7 +131,8 @@ def test_a_one_rank_env_checkpoints_and_resumes_as_one_process(tmp_path) -> None
     cfg = config()
     parts = dataclasses.replace(parts_of(cfg), env=ShardingEnv.single())
     path = save_run_state(tmp_path, parts, step=2, config=cfg, keep=1)
-    assert sorted(p.name for p in path.iterdir()) == ["meta.json", "tensors.safetensors"]
+    names = sorted(p.name for p in path.iterdir())
+    assert names == ["manifest.json", "meta.json", "tensors.safetensors"]
     assert "sharding" not in read_checkpoint(path).meta
     again = dataclasses.replace(parts_of(cfg), env=ShardingEnv.single())
     assert load_run_state(path, again) == (2, 2)
@@ -284,6 +288,7 @@ def test_tensors_the_model_lacks_are_named_on_one_line(tmp_path) -> None:
     tensors = load_file(str(path / "tensors.safetensors"))
     tensors["embedding.sounding"] = torch.zeros(1)
     save_file(tensors, str(path / "tensors.safetensors"))
+    reseal(path)
     with pytest.raises(ValueError, match="does not fit the model") as info:
         load_run_state(path, parts_of(cfg))
     assert "\n" not in str(info.value)
