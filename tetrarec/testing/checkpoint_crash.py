@@ -116,6 +116,9 @@ def _observe(ctx: RankContext, root: Path) -> dict[str, Any]:
     """What this rank sees in ``root``: the newest checkpoint and what it holds."""
     newest = latest_checkpoint(root)
     assert newest is not None
+    # listed before the collective below: after it, a faster rank goes on to its next
+    # write and its new temporary would show up here (a race seen under load)
+    temporaries = sorted(p.name for p in root.iterdir() if p.name.startswith(".tmp"))
     verify_for_load(newest, ctx.comm)  # collective: every rank verifies its files
     own = read_rank_tensors(newest, ctx.rank, verify=False)["rows"]
     return {
@@ -123,7 +126,7 @@ def _observe(ctx: RankContext, root: Path) -> dict[str, Any]:
         "complete": [p.name for p in list_checkpoints(root)],
         "dense": read_checkpoint(newest, verify=False).tensors["dense"].tolist(),
         "own": own.flatten().tolist(),
-        "temporaries": sorted(p.name for p in root.iterdir() if p.name.startswith(".tmp")),
+        "temporaries": temporaries,
     }
 
 
