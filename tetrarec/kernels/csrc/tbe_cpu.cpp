@@ -255,6 +255,55 @@ struct BF16 {
   }
 };
 
+// Sixteen lanes (one AVX-512 register; GCC splits them where vectors are narrower).
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint8_t v8u8 __attribute__((vector_size(8)));
+inline v16f load16(const float* p) {
+  v16f x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+
+// The smallest and largest of src[0, D) as the sequential loop lo = std::min(lo, x),
+// hi = std::max(hi, x) from src[0] finds them: a NaN is never taken (unless src[0] is
+// one), and of equal values the first is kept, which only matters for the sign of a
+// zero. 16 lanes at once (a lane takes x only when strictly smaller or larger: the same
+// rule), then the sequential loop again in the two cases where lanes could differ from
+// it: src[0] a NaN, or an end that is zero (+0 or -0: the first one in the row).
+inline void min_max16(const float* src, int64_t D, float* lo_out, float* hi_out) {
+  float lo = src[0], hi = src[0];
+  int64_t d = 1;
+  if (D >= 32 && lo == lo) {
+    v16f vlo = v16f{} + lo, vhi = vlo;
+    for (d = 0; d + 16 <= D; d += 16) {
+      const v16f x = load16(src + d);
+      vlo = x < vlo ? x : vlo;
+      vhi = vhi < x ? x : vhi;
+    }
+    for (int k = 0; k < 16; ++k) {
+      lo = std::min(lo, vlo[k]);
+      hi = std::max(hi, vhi[k]);
+    }
+  }
+  for (; d < D; ++d) {
+    lo = std::min(lo, src[d]);
+    hi = std::max(hi, src[d]);
+  }
+  if (D >= 32 && (lo == 0.0f || hi == 0.0f || src[0] != src[0])) {
+    lo = hi = src[0];
+    for (d = 1; d < D; ++d) {
+      lo = std::min(lo, src[d]);
+      hi = std::max(hi, src[d]);
+    }
+  }
+  *lo_out = lo;
+  *hi_out = hi;
+}
+
 // Row-wise affine integer rows: [packed codes | fp16 scale | fp16 bias | pad].
 template <int Bits>
 struct IntRow {
@@ -282,26 +331,54 @@ struct IntRow {
     for (int64_t d = 0; d < D; ++d) acc[d] += w * tmp[d];
   }
   static void store(uint8_t* r, int64_t D, const float* src, bool sr, uint64_t key, int64_t col0) {
-    float lo = src[0], hi = src[0];
-    for (int64_t d = 1; d < D; ++d) {
-      lo = std::min(lo, src[d]);
-      hi = std::max(hi, src[d]);
-    }
+    float lo, hi;
+    min_max16(src, D, &lo, &hi);
     const IntGrid grid = int_row_grid(lo, hi, static_cast<float>(kLevels));
     const uint16_t sb[2] = {grid.scale_bits, grid.bias_bits};
     const float s = grid.scale, b = grid.bias;
-    float inv = s > 0 ? 1.0f / s : 0.0f;
+    const float inv = s > 0 ? 1.0f / s : 0.0f, top = static_cast<float>(kLevels);
     std::memset(r, 0, width(D));
     const uint16_t* rnd = sr ? random16(key, D, col0) : nullptr;
-    for (int64_t d = 0; d < D; ++d) {
+    // code = clamp(q, 0, levels) rounded: floor(q + u) (stochastic) or nearbyint(q), then
+    // clamped, as the portable path computes it. Clamping first gives the same codes (the
+    // ends are integers, and both roundings are monotone), after which floor is the
+    // truncation of a value >= 0 and nearbyint is (x + 2^23) - 2^23: 16 lanes at a time,
+    // without a rounding instruction per element. A NaN stays NaN through the clamp and
+    // truncates to code 0 either way.
+    int64_t d = 0;
+    const v16f vb = v16f{} + b, vinv = v16f{} + inv, vtop = v16f{} + top, vzero = v16f{};
+    for (; d + 16 <= D; d += 16) {
+      v16f q = (load16(src + d) - vb) * vinv;
+      if (sr) {
+        v16u16 rb;
+        std::memcpy(&rb, rnd + d, sizeof rb);
+        q = q + (__builtin_convertvector(rb, v16f) + 0.5f) * (1.0f / 65536.0f);
+      }
+      q = q < vzero ? vzero : q;
+      q = vtop < q ? vtop : q;
+      if (!sr) q = (q + 8388608.0f) - 8388608.0f;
+      const v16i c = __builtin_convertvector(q, v16i);
+      if (Bits == 8) {
+        const v16u8 c8 = __builtin_convertvector(c, v16u8);
+        std::memcpy(r + d, &c8, sizeof c8);
+      } else {
+        const v8i lo4 = __builtin_shufflevector(c, c, 0, 2, 4, 6, 8, 10, 12, 14);
+        const v8i hi4 = __builtin_shufflevector(c, c, 1, 3, 5, 7, 9, 11, 13, 15);
+        const v8u8 packed = __builtin_convertvector((lo4 & 0x0F) | (hi4 << 4), v8u8);
+        std::memcpy(r + d / 2, &packed, sizeof packed);
+      }
+    }
+    for (; d < D; ++d) {  // the same operations, one element at a time
       float q = (src[d] - b) * inv;
-      q = sr ? std::floor(q + (static_cast<float>(rnd[d]) + 0.5f) * (1.0f / 65536.0f))
-             : std::nearbyint(q);
-      int c = static_cast<int>(std::min(std::max(q, 0.0f), static_cast<float>(kLevels)));
+      if (sr) q = q + (static_cast<float>(rnd[d]) + 0.5f) * (1.0f / 65536.0f);
+      q = q < 0.0f ? 0.0f : q;
+      q = top < q ? top : q;
+      if (!sr) q = (q + 8388608.0f) - 8388608.0f;
+      const int c = static_cast<int>(q);
       if (Bits == 8) {
         r[d] = static_cast<uint8_t>(c);
       } else {
-        r[d >> 1] |= static_cast<uint8_t>(c << ((d & 1) * 4));
+        r[d >> 1] |= static_cast<uint8_t>((c & 0x0F) << ((d & 1) * 4));
       }
     }
     std::memcpy(r + payload(D), sb, 4);
@@ -488,7 +565,6 @@ struct F32Lanes {
   static v8f get(const Row& row, int64_t c) { return load8(row.p + c); }
 };
 
-typedef uint8_t v8u8 __attribute__((vector_size(8)));
 struct Int8Lanes {
   struct Row {
     const uint8_t* p;
@@ -713,7 +789,7 @@ void forward_impl(const at::Tensor& weights, const Meta& M, const Idx* values,
       // The register path for FP32 rows, and for narrow rows of the other formats: at
       // dim 64 the compiler's 16-wide decode into L1 then sum (sum_bag) measured faster.
       const bool lanes = !std::is_void_v<Lanes> && D % 8 == 0 &&
-                         (std::is_same_v<Codec, F32> || D <= 32);
+                         (!std::is_same_v<Codec, IntRow<8>> || D <= 32);
       float* out_f = out + M.feat_cols[f];
       for (int64_t s = s0; s < s1; ++s) {
         const int64_t j0 = offsets[s], j1 = offsets[s + 1];
