@@ -78,6 +78,20 @@ inline float float_of(uint32_t u) {
   return f;
 }
 
+// Sixteen lanes (one AVX-512 register; GCC splits them where vectors are narrower).
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint8_t v8u8 __attribute__((vector_size(8)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+// Eight floats in one vector register (AVX2: a ymm; GCC splits it where vectors are
+// narrower). Loads and stores go through memcpy: rows need not be 32-byte aligned.
+typedef float v8f __attribute__((vector_size(32)));
+
 // ---- half helpers ----
 inline void half_to_float(const uint16_t* src, float* dst, int64_t n) {
   int64_t d = 0;
@@ -160,6 +174,35 @@ inline uint16_t half_stochastic(float x, uint16_t r) {
   return half_bits(t);  // exact: t is an FP16 value
 }
 
+#if defined(__F16C__)
+// The 8 values that F16::store's stochastic rounding truncates to FP16, lane-wise (r16:
+// each value's 16 random bits): in the normal range x plus r's low 13 bits below FP16's
+// last mantissa bit; below 2^-14 floor(|x| 2^24 + (r + 1/2) / 2^16) 2^-24 with x's sign
+// (the floor of a value in [0, 2^10 + 1) is its truncation); non-finite x as it is.
+// half_stochastic's operations, every case computed in every lane, each lane's selected.
+inline v8f half_noisy8(v8f x, v8u16 r16) {
+  v8u32 u;
+  std::memcpy(&u, &x, sizeof u);
+  const v8u32 au = u & 0x7FFFFFFFu;
+  v8f a;
+  std::memcpy(&a, &au, sizeof a);
+  const v8u32 r = __builtin_convertvector(r16, v8u32);
+  const v8f ur = (__builtin_convertvector(r, v8f) + 0.5f) * (1.0f / 65536.0f);
+  const v8f t = __builtin_convertvector(__builtin_convertvector(a * 16777216.0f + ur, v8i), v8f);
+  const v8f mag = t * 5.9604644775390625e-08f;
+  v8u32 sub;
+  std::memcpy(&sub, &mag, sizeof sub);
+  sub = (sub & 0x7FFFFFFFu) | (u & 0x80000000u);
+  const v8u32 nrm = u + (r & 0x1FFFu);
+  const v8i finite = (u & 0x7F800000u) != 0x7F800000u;
+  const v8i small = a < 6.103515625e-05f;
+  const v8u32 out = finite ? (small ? sub : nrm) : u;
+  v8f y;
+  std::memcpy(&y, &out, sizeof y);
+  return y;
+}
+#endif
+
 // ---- row codecs: decode a row to FP32 (or accumulate it) and encode it back ----
 struct F32 {
   static constexpr int64_t kElem = 4;
@@ -202,15 +245,14 @@ struct F16 {
       const uint16_t* rnd = random16(key, D, col0);
       for (; d < D; d += 8) {
         const int n = static_cast<int>(std::min<int64_t>(8, D - d));
-        alignas(32) float noisy[8] = {};
-        for (int k = 0; k < n; ++k) {
-          const float x = src[d + k], a = std::fabs(x);
-          const float u = (static_cast<float>(rnd[d + k]) + 0.5f) * (1.0f / 65536.0f);
-          const float sub = std::copysign(std::floor(a * 16777216.0f + u) * 5.9604644775390625e-08f, x);
-          const float nrm = float_of(bits_of(x) + (rnd[d + k] & 0x1FFFu));
-          noisy[k] = !std::isfinite(x) ? x : a < 6.103515625e-05f ? sub : nrm;
-        }
-        const __m128i h = _mm256_cvtps_ph(_mm256_load_ps(noisy), _MM_FROUND_TO_ZERO);
+        v8f x = {};
+        v8u16 r16 = {};
+        std::memcpy(&x, src + d, n * sizeof(float));
+        std::memcpy(&r16, rnd + d, n * sizeof(uint16_t));
+        const v8f noisy = half_noisy8(x, r16);
+        __m256 nv;
+        std::memcpy(&nv, &noisy, sizeof nv);
+        const __m128i h = _mm256_cvtps_ph(nv, _MM_FROUND_TO_ZERO);
         if (n == 8) {
           _mm_storeu_si128(reinterpret_cast<__m128i*>(p + d), h);
         } else {
@@ -241,27 +283,33 @@ struct BF16 {
   }
   static void store(uint8_t* r, int64_t D, const float* src, bool sr, uint64_t key, int64_t col0) {
     uint16_t* p = reinterpret_cast<uint16_t*>(r);
-    if (!sr) {
-      for (int64_t d = 0; d < D; ++d) p[d] = bf16_bits(src[d]);
-      return;
+    // Round to nearest even as c10::BFloat16 does (a NaN becomes 0x7FC0); stochastic:
+    // add 16 random bits below BF16's last mantissa bit and truncate (unbiased), a
+    // non-finite value rounded to nearest. 16 lanes at a time, then the tail.
+    const uint16_t* rnd = sr ? random16(key, D, col0) : nullptr;
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+      v16u32 u;
+      std::memcpy(&u, src + d, sizeof u);
+      const v16i nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+      v16u32 o = nan ? v16u32{} + 0x7FC0u : (u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16;
+      if (sr) {
+        v16u16 rb;
+        std::memcpy(&rb, rnd + d, sizeof rb);
+        const v16i finite = (u & 0x7F800000u) != 0x7F800000u;
+        o = finite ? (u + __builtin_convertvector(rb, v16u32)) >> 16 : o;
+      }
+      const v16u16 h = __builtin_convertvector(o, v16u16);
+      std::memcpy(p + d, &h, sizeof h);
     }
-    // Add 16 random bits below BF16's last mantissa bit and truncate: unbiased.
-    const uint16_t* rnd = random16(key, D, col0);
-    for (int64_t d = 0; d < D; ++d) {
+    for (; d < D; ++d) {
       const uint32_t u = bits_of(src[d]);
       const bool finite = (u & 0x7F800000u) != 0x7F800000u;
-      p[d] = finite ? static_cast<uint16_t>((u + rnd[d]) >> 16) : bf16_bits(src[d]);
+      p[d] = sr && finite ? static_cast<uint16_t>((u + rnd[d]) >> 16) : bf16_bits(src[d]);
     }
   }
 };
 
-// Sixteen lanes (one AVX-512 register; GCC splits them where vectors are narrower).
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint16_t v16u16 __attribute__((vector_size(32)));
-typedef uint8_t v16u8 __attribute__((vector_size(16)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint8_t v8u8 __attribute__((vector_size(8)));
 inline v16f load16(const float* p) {
   v16f x;
   std::memcpy(&x, p, sizeof x);
@@ -321,10 +369,32 @@ struct IntRow {
     if (Bits == 8) return r[d];
     return (r[d >> 1] >> ((d & 1) * 4)) & 0x0F;
   }
+  // 16 codes a register (INT4: two words of 8 nibbles), then the tail one at a time:
+  // code * scale, then + bias, in both.
   static void load(const uint8_t* r, int64_t D, float* dst) {
     float s, b;
     tail(r, D, &s, &b);
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(code(r, d)) * s + b;
+    const v16f vs = v16f{} + s, vb = v16f{} + b;
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+      v16f x;
+      if (Bits == 8) {
+        v16u8 q;
+        std::memcpy(&q, r + d, sizeof q);
+        x = __builtin_convertvector(q, v16f);
+      } else {
+        uint32_t w[2];
+        std::memcpy(w, r + d / 2, sizeof w);
+        const v8u32 sh = {0, 4, 8, 12, 16, 20, 24, 28};
+        const v8u32 a = ((v8u32{} + w[0]) >> sh) & 0x0Fu, c = ((v8u32{} + w[1]) >> sh) & 0x0Fu;
+        const v16u32 q =
+            __builtin_shufflevector(a, c, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        x = __builtin_convertvector(q, v16f);
+      }
+      const v16f y = x * vs + vb;
+      std::memcpy(dst + d, &y, sizeof y);
+    }
+    for (; d < D; ++d) dst[d] = static_cast<float>(code(r, d)) * s + b;
   }
   static void accum(const uint8_t* r, int64_t D, float w, float* acc, float* tmp) {
     load(r, D, tmp);
@@ -526,9 +596,6 @@ inline int64_t prefetch_distance(int64_t row_bytes) {
   return std::min<int64_t>(24, std::max<int64_t>(6, 4096 / std::max<int64_t>(row_bytes, 1)));
 }
 
-// Eight floats in one vector register (AVX2: a ymm; GCC splits it where vectors are
-// narrower). Loads and stores go through memcpy: rows need not be 32-byte aligned.
-typedef float v8f __attribute__((vector_size(32)));
 inline v8f load8(const float* p) {
   v8f x;
   std::memcpy(&x, p, sizeof x);
@@ -594,17 +661,13 @@ struct Int4Lanes {
     return {r, v8f{} + s, v8f{} + b};
   }
   static v8f get(const Row& row, int64_t c) {
-    const uint8_t* p = row.p + c / 2;  // c is a multiple of 8
-    const v8u8 q = {static_cast<uint8_t>(p[0] & 0x0F), static_cast<uint8_t>(p[0] >> 4),
-                    static_cast<uint8_t>(p[1] & 0x0F), static_cast<uint8_t>(p[1] >> 4),
-                    static_cast<uint8_t>(p[2] & 0x0F), static_cast<uint8_t>(p[2] >> 4),
-                    static_cast<uint8_t>(p[3] & 0x0F), static_cast<uint8_t>(p[3] >> 4)};
+    uint32_t p;  // eight codes; code k in bits [4k, 4k + 4) (little-endian)
+    std::memcpy(&p, row.p + c / 2, sizeof p);  // c is a multiple of 8
+    const v8u32 q = ((v8u32{} + p) >> v8u32{0, 4, 8, 12, 16, 20, 24, 28}) & 0x0Fu;
     return __builtin_convertvector(q, v8f) * row.scale + row.bias;
   }
 };
 
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
-typedef uint32_t v8u32 __attribute__((vector_size(32)));
 // BF16: the top half of an FP32 (exact).
 struct BF16Lanes {
   struct Row {
