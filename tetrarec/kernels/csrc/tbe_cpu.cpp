@@ -31,7 +31,7 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__linux__)
@@ -91,6 +91,81 @@ typedef uint32_t v16u32 __attribute__((vector_size(64)));
 // Eight floats in one vector register (AVX2: a ymm; GCC splits it where vectors are
 // narrower). Loads and stores go through memcpy: rows need not be 32-byte aligned.
 typedef float v8f __attribute__((vector_size(32)));
+inline v16f load16(const float* p) {
+  v16f x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+template <typename To, typename From>
+inline To bit_cast_vec(const From& x) {
+  static_assert(sizeof(To) == sizeof(From));
+  To y;
+  std::memcpy(&y, &x, sizeof y);
+  return y;
+}
+
+// Widening and narrowing lane conversions. GCC's __builtin_convertvector from 8- or
+// 16-byte vectors (and to them) compiles to one scalar insert or extract per lane; the
+// zero-extending loads and truncating stores below are one instruction each.
+inline v8i widen_u8x8(const uint8_t* p) {
+#if defined(__AVX2__)
+  return bit_cast_vec<v8i>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  v8u8 q;
+  std::memcpy(&q, p, sizeof q);
+  return __builtin_convertvector(q, v8i);
+#endif
+}
+inline v8i widen_u16x8(const uint16_t* p) {
+#if defined(__AVX2__)
+  return bit_cast_vec<v8i>(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  v8u16 q;
+  std::memcpy(&q, p, sizeof q);
+  return __builtin_convertvector(q, v8i);
+#endif
+}
+inline v16i widen_u8x16(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return bit_cast_vec<v16i>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  const v8i a = widen_u8x8(p), b = widen_u8x8(p + 8);
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
+}
+inline v16i widen_u16x16(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return bit_cast_vec<v16i>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#else
+  const v8i a = widen_u16x8(p), b = widen_u16x8(p + 8);
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
+}
+// The low byte (or half) of each lane, stored.
+inline void store_low8x16(uint8_t* p, v16i x) {
+#if defined(__AVX512F__)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(bit_cast_vec<__m512i>(x)));
+#else
+  const v16u8 y = __builtin_convertvector(x, v16u8);
+  std::memcpy(p, &y, sizeof y);
+#endif
+}
+inline void store_low8x8(uint8_t* p, v8i x) {
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm256_cvtepi32_epi8(bit_cast_vec<__m256i>(x)));
+#else
+  const v8u8 y = __builtin_convertvector(x, v8u8);
+  std::memcpy(p, &y, sizeof y);
+#endif
+}
+inline void store_low16x16(uint16_t* p, v16i x) {
+#if defined(__AVX512F__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bit_cast_vec<__m512i>(x)));
+#else
+  const v16u16 y = __builtin_convertvector(x, v16u16);
+  std::memcpy(p, &y, sizeof y);
+#endif
+}
 
 // ---- half helpers ----
 inline void half_to_float(const uint16_t* src, float* dst, int64_t n) {
@@ -186,8 +261,8 @@ inline v8f half_noisy8(v8f x, v8u16 r16) {
   const v8u32 au = u & 0x7FFFFFFFu;
   v8f a;
   std::memcpy(&a, &au, sizeof a);
-  const v8u32 r = __builtin_convertvector(r16, v8u32);
-  const v8f ur = (__builtin_convertvector(r, v8f) + 0.5f) * (1.0f / 65536.0f);
+  const v8u32 r = bit_cast_vec<v8u32>(widen_u16x8(reinterpret_cast<const uint16_t*>(&r16)));
+  const v8f ur = (__builtin_convertvector(__builtin_convertvector(r, v8i), v8f) + 0.5f) * (1.0f / 65536.0f);
   const v8f t = __builtin_convertvector(__builtin_convertvector(a * 16777216.0f + ur, v8i), v8f);
   const v8f mag = t * 5.9604644775390625e-08f;
   v8u32 sub;
@@ -294,13 +369,11 @@ struct BF16 {
       const v16i nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
       v16u32 o = nan ? v16u32{} + 0x7FC0u : (u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16;
       if (sr) {
-        v16u16 rb;
-        std::memcpy(&rb, rnd + d, sizeof rb);
+        const v16u32 rb = bit_cast_vec<v16u32>(widen_u16x16(rnd + d));
         const v16i finite = (u & 0x7F800000u) != 0x7F800000u;
-        o = finite ? (u + __builtin_convertvector(rb, v16u32)) >> 16 : o;
+        o = finite ? (u + rb) >> 16 : o;
       }
-      const v16u16 h = __builtin_convertvector(o, v16u16);
-      std::memcpy(p + d, &h, sizeof h);
+      store_low16x16(p + d, bit_cast_vec<v16i>(o));
     }
     for (; d < D; ++d) {
       const uint32_t u = bits_of(src[d]);
@@ -310,11 +383,6 @@ struct BF16 {
   }
 };
 
-inline v16f load16(const float* p) {
-  v16f x;
-  std::memcpy(&x, p, sizeof x);
-  return x;
-}
 
 // The smallest and largest of src[0, D) as the sequential loop lo = std::min(lo, x),
 // hi = std::max(hi, x) from src[0] finds them: a NaN is never taken (unless src[0] is
@@ -379,9 +447,7 @@ struct IntRow {
     for (; d + 16 <= D; d += 16) {
       v16f x;
       if (Bits == 8) {
-        v16u8 q;
-        std::memcpy(&q, r + d, sizeof q);
-        x = __builtin_convertvector(q, v16f);
+        x = __builtin_convertvector(widen_u8x16(r + d), v16f);
       } else {
         uint32_t w[2];
         std::memcpy(w, r + d / 2, sizeof w);
@@ -389,7 +455,7 @@ struct IntRow {
         const v8u32 a = ((v8u32{} + w[0]) >> sh) & 0x0Fu, c = ((v8u32{} + w[1]) >> sh) & 0x0Fu;
         const v16u32 q =
             __builtin_shufflevector(a, c, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        x = __builtin_convertvector(q, v16f);
+        x = __builtin_convertvector(__builtin_convertvector(q, v16i), v16f);
       }
       const v16f y = x * vs + vb;
       std::memcpy(dst + d, &y, sizeof y);
@@ -420,22 +486,18 @@ struct IntRow {
     for (; d + 16 <= D; d += 16) {
       v16f q = (load16(src + d) - vb) * vinv;
       if (sr) {
-        v16u16 rb;
-        std::memcpy(&rb, rnd + d, sizeof rb);
-        q = q + (__builtin_convertvector(rb, v16f) + 0.5f) * (1.0f / 65536.0f);
+        q = q + (__builtin_convertvector(widen_u16x16(rnd + d), v16f) + 0.5f) * (1.0f / 65536.0f);
       }
       q = q < vzero ? vzero : q;
       q = vtop < q ? vtop : q;
       if (!sr) q = (q + 8388608.0f) - 8388608.0f;
       const v16i c = __builtin_convertvector(q, v16i);
       if (Bits == 8) {
-        const v16u8 c8 = __builtin_convertvector(c, v16u8);
-        std::memcpy(r + d, &c8, sizeof c8);
+        store_low8x16(r + d, c);
       } else {
         const v8i lo4 = __builtin_shufflevector(c, c, 0, 2, 4, 6, 8, 10, 12, 14);
         const v8i hi4 = __builtin_shufflevector(c, c, 1, 3, 5, 7, 9, 11, 13, 15);
-        const v8u8 packed = __builtin_convertvector((lo4 & 0x0F) | (hi4 << 4), v8u8);
-        std::memcpy(r + d / 2, &packed, sizeof packed);
+        store_low8x8(r + d / 2, (lo4 & 0x0F) | (hi4 << 4));
       }
     }
     for (; d < D; ++d) {  // the same operations, one element at a time
@@ -643,9 +705,7 @@ struct Int8Lanes {
     return {r, v8f{} + s, v8f{} + b};
   }
   static v8f get(const Row& row, int64_t c) {
-    v8u8 q;
-    std::memcpy(&q, row.p + c, sizeof q);
-    return __builtin_convertvector(q, v8f) * row.scale + row.bias;
+    return __builtin_convertvector(widen_u8x8(row.p + c), v8f) * row.scale + row.bias;
   }
 };
 
@@ -664,7 +724,7 @@ struct Int4Lanes {
     uint32_t p;  // eight codes; code k in bits [4k, 4k + 4) (little-endian)
     std::memcpy(&p, row.p + c / 2, sizeof p);  // c is a multiple of 8
     const v8u32 q = ((v8u32{} + p) >> v8u32{0, 4, 8, 12, 16, 20, 24, 28}) & 0x0Fu;
-    return __builtin_convertvector(q, v8f) * row.scale + row.bias;
+    return __builtin_convertvector(__builtin_convertvector(q, v8i), v8f) * row.scale + row.bias;
   }
 };
 
@@ -675,9 +735,7 @@ struct BF16Lanes {
   };
   static Row open(const uint8_t* r, int64_t) { return {reinterpret_cast<const uint16_t*>(r)}; }
   static v8f get(const Row& row, int64_t c) {
-    v8u16 h;
-    std::memcpy(&h, row.p + c, sizeof h);
-    const v8u32 u = __builtin_convertvector(h, v8u32) << 16;
+    const v8u32 u = bit_cast_vec<v8u32>(widen_u16x8(row.p + c)) << 16;
     v8f x;
     std::memcpy(&x, &u, sizeof x);
     return x;
