@@ -322,8 +322,13 @@ struct F16 {
         const int n = static_cast<int>(std::min<int64_t>(8, D - d));
         v8f x = {};
         v8u16 r16 = {};
-        std::memcpy(&x, src + d, n * sizeof(float));
-        std::memcpy(&r16, rnd + d, n * sizeof(uint16_t));
+        if (n == 8) {  // a full 8: plain loads (through a copy of n, the loads stalled)
+          std::memcpy(&x, src + d, sizeof x);
+          std::memcpy(&r16, rnd + d, sizeof r16);
+        } else {
+          std::memcpy(&x, src + d, n * sizeof(float));
+          std::memcpy(&r16, rnd + d, n * sizeof(uint16_t));
+        }
         const v8f noisy = half_noisy8(x, r16);
         __m256 nv;
         std::memcpy(&nv, &noisy, sizeof nv);
