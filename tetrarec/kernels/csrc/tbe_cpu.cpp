@@ -91,6 +91,7 @@ typedef uint32_t v16u32 __attribute__((vector_size(64)));
 // Eight floats in one vector register (AVX2: a ymm; GCC splits it where vectors are
 // narrower). Loads and stores go through memcpy: rows need not be 32-byte aligned.
 typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
 inline v16f load16(const float* p) {
   v16f x;
   std::memcpy(&x, p, sizeof x);
@@ -405,10 +406,21 @@ inline void min_max16(const float* src, int64_t D, float* lo_out, float* hi_out)
       vlo = x < vlo ? x : vlo;
       vhi = vhi < x ? x : vhi;
     }
-    for (int k = 0; k < 16; ++k) {
-      lo = std::min(lo, vlo[k]);
-      hi = std::max(hi, vhi[k]);
-    }
+    // Halves folded onto each other (4 steps, not a chain of 16): every lane is a
+    // number, so the order changes no value (a zero's sign is settled below).
+    v8f l8 = __builtin_shufflevector(vlo, vlo, 0, 1, 2, 3, 4, 5, 6, 7);
+    v8f h8 = __builtin_shufflevector(vhi, vhi, 0, 1, 2, 3, 4, 5, 6, 7);
+    const v8f l8b = __builtin_shufflevector(vlo, vlo, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v8f h8b = __builtin_shufflevector(vhi, vhi, 8, 9, 10, 11, 12, 13, 14, 15);
+    l8 = l8b < l8 ? l8b : l8;
+    h8 = h8 < h8b ? h8b : h8;
+    v4f l4 = __builtin_shufflevector(l8, l8, 0, 1, 2, 3), h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3);
+    const v4f l4b = __builtin_shufflevector(l8, l8, 4, 5, 6, 7);
+    const v4f h4b = __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+    l4 = l4b < l4 ? l4b : l4;
+    h4 = h4 < h4b ? h4b : h4;
+    lo = std::min(std::min(l4[0], l4[1]), std::min(l4[2], l4[3]));
+    hi = std::max(std::max(h4[0], h4[1]), std::max(h4[2], h4[3]));
   }
   for (; d < D; ++d) {
     lo = std::min(lo, src[d]);
