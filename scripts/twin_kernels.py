@@ -43,7 +43,8 @@ def load_build(csrc: Path) -> ModuleType:
     if not found:
         raise FileNotFoundError(f"{csrc}: no build in the cache (key {key}); build it first")
     spec = importlib.util.spec_from_file_location(f"tetrarec_cpu_{key}", found[0])
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
