@@ -31,7 +31,7 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__linux__)
@@ -76,6 +76,96 @@ inline float float_of(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+}
+
+// Sixteen lanes (one AVX-512 register; GCC splits them where vectors are narrower).
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint8_t v8u8 __attribute__((vector_size(8)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+// Eight floats in one vector register (AVX2: a ymm; GCC splits it where vectors are
+// narrower). Loads and stores go through memcpy: rows need not be 32-byte aligned.
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+inline v16f load16(const float* p) {
+  v16f x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+template <typename To, typename From>
+inline To bit_cast_vec(const From& x) {
+  static_assert(sizeof(To) == sizeof(From));
+  To y;
+  std::memcpy(&y, &x, sizeof y);
+  return y;
+}
+
+// Widening and narrowing lane conversions. GCC's __builtin_convertvector from 8- or
+// 16-byte vectors (and to them) compiles to one scalar insert or extract per lane; the
+// zero-extending loads and truncating stores below are one instruction each.
+inline v8i widen_u8x8(const uint8_t* p) {
+#if defined(__AVX2__)
+  return bit_cast_vec<v8i>(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  v8u8 q;
+  std::memcpy(&q, p, sizeof q);
+  return __builtin_convertvector(q, v8i);
+#endif
+}
+inline v8i widen_u16x8(const uint16_t* p) {
+#if defined(__AVX2__)
+  return bit_cast_vec<v8i>(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  v8u16 q;
+  std::memcpy(&q, p, sizeof q);
+  return __builtin_convertvector(q, v8i);
+#endif
+}
+inline v16i widen_u8x16(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return bit_cast_vec<v16i>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  const v8i a = widen_u8x8(p), b = widen_u8x8(p + 8);
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
+}
+inline v16i widen_u16x16(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return bit_cast_vec<v16i>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#else
+  const v8i a = widen_u16x8(p), b = widen_u16x8(p + 8);
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
+}
+// The low byte (or half) of each lane, stored.
+inline void store_low8x16(uint8_t* p, v16i x) {
+#if defined(__AVX512F__)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(bit_cast_vec<__m512i>(x)));
+#else
+  const v16u8 y = __builtin_convertvector(x, v16u8);
+  std::memcpy(p, &y, sizeof y);
+#endif
+}
+inline void store_low8x8(uint8_t* p, v8i x) {
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm256_cvtepi32_epi8(bit_cast_vec<__m256i>(x)));
+#else
+  const v8u8 y = __builtin_convertvector(x, v8u8);
+  std::memcpy(p, &y, sizeof y);
+#endif
+}
+inline void store_low16x16(uint16_t* p, v16i x) {
+#if defined(__AVX512F__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bit_cast_vec<__m512i>(x)));
+#else
+  const v16u16 y = __builtin_convertvector(x, v16u16);
+  std::memcpy(p, &y, sizeof y);
+#endif
 }
 
 // ---- half helpers ----
@@ -160,6 +250,35 @@ inline uint16_t half_stochastic(float x, uint16_t r) {
   return half_bits(t);  // exact: t is an FP16 value
 }
 
+#if defined(__F16C__)
+// The 8 values that F16::store's stochastic rounding truncates to FP16, lane-wise (r16:
+// each value's 16 random bits): in the normal range x plus r's low 13 bits below FP16's
+// last mantissa bit; below 2^-14 floor(|x| 2^24 + (r + 1/2) / 2^16) 2^-24 with x's sign
+// (the floor of a value in [0, 2^10 + 1) is its truncation); non-finite x as it is.
+// half_stochastic's operations, every case computed in every lane, each lane's selected.
+inline v8f half_noisy8(v8f x, v8u16 r16) {
+  v8u32 u;
+  std::memcpy(&u, &x, sizeof u);
+  const v8u32 au = u & 0x7FFFFFFFu;
+  v8f a;
+  std::memcpy(&a, &au, sizeof a);
+  const v8u32 r = bit_cast_vec<v8u32>(widen_u16x8(reinterpret_cast<const uint16_t*>(&r16)));
+  const v8f ur = (__builtin_convertvector(__builtin_convertvector(r, v8i), v8f) + 0.5f) * (1.0f / 65536.0f);
+  const v8f t = __builtin_convertvector(__builtin_convertvector(a * 16777216.0f + ur, v8i), v8f);
+  const v8f mag = t * 5.9604644775390625e-08f;
+  v8u32 sub;
+  std::memcpy(&sub, &mag, sizeof sub);
+  sub = (sub & 0x7FFFFFFFu) | (u & 0x80000000u);
+  const v8u32 nrm = u + (r & 0x1FFFu);
+  const v8i finite = (u & 0x7F800000u) != 0x7F800000u;
+  const v8i small = a < 6.103515625e-05f;
+  const v8u32 out = finite ? (small ? sub : nrm) : u;
+  v8f y;
+  std::memcpy(&y, &out, sizeof y);
+  return y;
+}
+#endif
+
 // ---- row codecs: decode a row to FP32 (or accumulate it) and encode it back ----
 struct F32 {
   static constexpr int64_t kElem = 4;
@@ -202,15 +321,19 @@ struct F16 {
       const uint16_t* rnd = random16(key, D, col0);
       for (; d < D; d += 8) {
         const int n = static_cast<int>(std::min<int64_t>(8, D - d));
-        alignas(32) float noisy[8] = {};
-        for (int k = 0; k < n; ++k) {
-          const float x = src[d + k], a = std::fabs(x);
-          const float u = (static_cast<float>(rnd[d + k]) + 0.5f) * (1.0f / 65536.0f);
-          const float sub = std::copysign(std::floor(a * 16777216.0f + u) * 5.9604644775390625e-08f, x);
-          const float nrm = float_of(bits_of(x) + (rnd[d + k] & 0x1FFFu));
-          noisy[k] = !std::isfinite(x) ? x : a < 6.103515625e-05f ? sub : nrm;
+        v8f x = {};
+        v8u16 r16 = {};
+        if (n == 8) {  // a full 8: plain loads (through a copy of n, the loads stalled)
+          std::memcpy(&x, src + d, sizeof x);
+          std::memcpy(&r16, rnd + d, sizeof r16);
+        } else {
+          std::memcpy(&x, src + d, n * sizeof(float));
+          std::memcpy(&r16, rnd + d, n * sizeof(uint16_t));
         }
-        const __m128i h = _mm256_cvtps_ph(_mm256_load_ps(noisy), _MM_FROUND_TO_ZERO);
+        const v8f noisy = half_noisy8(x, r16);
+        __m256 nv;
+        std::memcpy(&nv, &noisy, sizeof nv);
+        const __m128i h = _mm256_cvtps_ph(nv, _MM_FROUND_TO_ZERO);
         if (n == 8) {
           _mm_storeu_si128(reinterpret_cast<__m128i*>(p + d), h);
         } else {
@@ -241,19 +364,78 @@ struct BF16 {
   }
   static void store(uint8_t* r, int64_t D, const float* src, bool sr, uint64_t key, int64_t col0) {
     uint16_t* p = reinterpret_cast<uint16_t*>(r);
-    if (!sr) {
-      for (int64_t d = 0; d < D; ++d) p[d] = bf16_bits(src[d]);
-      return;
+    // Round to nearest even as c10::BFloat16 does (a NaN becomes 0x7FC0); stochastic:
+    // add 16 random bits below BF16's last mantissa bit and truncate (unbiased), a
+    // non-finite value rounded to nearest. 16 lanes at a time, then the tail.
+    const uint16_t* rnd = sr ? random16(key, D, col0) : nullptr;
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+      v16u32 u;
+      std::memcpy(&u, src + d, sizeof u);
+      const v16i nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+      v16u32 o = nan ? v16u32{} + 0x7FC0u : (u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16;
+      if (sr) {
+        const v16u32 rb = bit_cast_vec<v16u32>(widen_u16x16(rnd + d));
+        const v16i finite = (u & 0x7F800000u) != 0x7F800000u;
+        o = finite ? (u + rb) >> 16 : o;
+      }
+      store_low16x16(p + d, bit_cast_vec<v16i>(o));
     }
-    // Add 16 random bits below BF16's last mantissa bit and truncate: unbiased.
-    const uint16_t* rnd = random16(key, D, col0);
-    for (int64_t d = 0; d < D; ++d) {
+    for (; d < D; ++d) {
       const uint32_t u = bits_of(src[d]);
       const bool finite = (u & 0x7F800000u) != 0x7F800000u;
-      p[d] = finite ? static_cast<uint16_t>((u + rnd[d]) >> 16) : bf16_bits(src[d]);
+      p[d] = sr && finite ? static_cast<uint16_t>((u + rnd[d]) >> 16) : bf16_bits(src[d]);
     }
   }
 };
+
+
+// The smallest and largest of src[0, D) as the sequential loop lo = std::min(lo, x),
+// hi = std::max(hi, x) from src[0] finds them: a NaN is never taken (unless src[0] is
+// one), and of equal values the first is kept, which only matters for the sign of a
+// zero. 16 lanes at once (a lane takes x only when strictly smaller or larger: the same
+// rule), then the sequential loop again in the two cases where lanes could differ from
+// it: src[0] a NaN, or an end that is zero (+0 or -0: the first one in the row).
+inline void min_max16(const float* src, int64_t D, float* lo_out, float* hi_out) {
+  float lo = src[0], hi = src[0];
+  int64_t d = 1;
+  if (D >= 32 && lo == lo) {
+    v16f vlo = v16f{} + lo, vhi = vlo;
+    for (d = 0; d + 16 <= D; d += 16) {
+      const v16f x = load16(src + d);
+      vlo = x < vlo ? x : vlo;
+      vhi = vhi < x ? x : vhi;
+    }
+    // Halves folded onto each other (4 steps, not a chain of 16): every lane is a
+    // number, so the order changes no value (a zero's sign is settled below).
+    v8f l8 = __builtin_shufflevector(vlo, vlo, 0, 1, 2, 3, 4, 5, 6, 7);
+    v8f h8 = __builtin_shufflevector(vhi, vhi, 0, 1, 2, 3, 4, 5, 6, 7);
+    const v8f l8b = __builtin_shufflevector(vlo, vlo, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v8f h8b = __builtin_shufflevector(vhi, vhi, 8, 9, 10, 11, 12, 13, 14, 15);
+    l8 = l8b < l8 ? l8b : l8;
+    h8 = h8 < h8b ? h8b : h8;
+    v4f l4 = __builtin_shufflevector(l8, l8, 0, 1, 2, 3), h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3);
+    const v4f l4b = __builtin_shufflevector(l8, l8, 4, 5, 6, 7);
+    const v4f h4b = __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+    l4 = l4b < l4 ? l4b : l4;
+    h4 = h4 < h4b ? h4b : h4;
+    lo = std::min(std::min(l4[0], l4[1]), std::min(l4[2], l4[3]));
+    hi = std::max(std::max(h4[0], h4[1]), std::max(h4[2], h4[3]));
+  }
+  for (; d < D; ++d) {
+    lo = std::min(lo, src[d]);
+    hi = std::max(hi, src[d]);
+  }
+  if (D >= 32 && (lo == 0.0f || hi == 0.0f || src[0] != src[0])) {
+    lo = hi = src[0];
+    for (d = 1; d < D; ++d) {
+      lo = std::min(lo, src[d]);
+      hi = std::max(hi, src[d]);
+    }
+  }
+  *lo_out = lo;
+  *hi_out = hi;
+}
 
 // Row-wise affine integer rows: [packed codes | fp16 scale | fp16 bias | pad].
 template <int Bits>
@@ -272,36 +454,80 @@ struct IntRow {
     if (Bits == 8) return r[d];
     return (r[d >> 1] >> ((d & 1) * 4)) & 0x0F;
   }
+  // 16 codes a register (INT4: two words of 8 nibbles), then the tail one at a time:
+  // code * scale, then + bias, in both.
   static void load(const uint8_t* r, int64_t D, float* dst) {
     float s, b;
     tail(r, D, &s, &b);
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(code(r, d)) * s + b;
+    const v16f vs = v16f{} + s, vb = v16f{} + b;
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+      v16f x;
+      if (Bits == 8) {
+        x = __builtin_convertvector(widen_u8x16(r + d), v16f);
+      } else {
+        uint32_t w[2];
+        std::memcpy(w, r + d / 2, sizeof w);
+        const v8u32 sh = {0, 4, 8, 12, 16, 20, 24, 28};
+        const v8u32 a = ((v8u32{} + w[0]) >> sh) & 0x0Fu, c = ((v8u32{} + w[1]) >> sh) & 0x0Fu;
+        const v16u32 q =
+            __builtin_shufflevector(a, c, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        x = __builtin_convertvector(__builtin_convertvector(q, v16i), v16f);
+      }
+      const v16f y = x * vs + vb;
+      std::memcpy(dst + d, &y, sizeof y);
+    }
+    for (; d < D; ++d) dst[d] = static_cast<float>(code(r, d)) * s + b;
   }
   static void accum(const uint8_t* r, int64_t D, float w, float* acc, float* tmp) {
     load(r, D, tmp);
     for (int64_t d = 0; d < D; ++d) acc[d] += w * tmp[d];
   }
   static void store(uint8_t* r, int64_t D, const float* src, bool sr, uint64_t key, int64_t col0) {
-    float lo = src[0], hi = src[0];
-    for (int64_t d = 1; d < D; ++d) {
-      lo = std::min(lo, src[d]);
-      hi = std::max(hi, src[d]);
-    }
+    float lo, hi;
+    min_max16(src, D, &lo, &hi);
     const IntGrid grid = int_row_grid(lo, hi, static_cast<float>(kLevels));
     const uint16_t sb[2] = {grid.scale_bits, grid.bias_bits};
     const float s = grid.scale, b = grid.bias;
-    float inv = s > 0 ? 1.0f / s : 0.0f;
+    const float inv = s > 0 ? 1.0f / s : 0.0f, top = static_cast<float>(kLevels);
     std::memset(r, 0, width(D));
     const uint16_t* rnd = sr ? random16(key, D, col0) : nullptr;
-    for (int64_t d = 0; d < D; ++d) {
+    // code = clamp(q, 0, levels) rounded: floor(q + u) (stochastic) or nearbyint(q), then
+    // clamped, as the portable path computes it. Clamping first gives the same codes (the
+    // ends are integers, and both roundings are monotone), after which floor is the
+    // truncation of a value >= 0 and nearbyint is (x + 2^23) - 2^23: 16 lanes at a time,
+    // without a rounding instruction per element. A NaN stays NaN through the clamp and
+    // truncates to code 0 either way.
+    int64_t d = 0;
+    const v16f vb = v16f{} + b, vinv = v16f{} + inv, vtop = v16f{} + top, vzero = v16f{};
+    for (; d + 16 <= D; d += 16) {
+      v16f q = (load16(src + d) - vb) * vinv;
+      if (sr) {
+        q = q + (__builtin_convertvector(widen_u16x16(rnd + d), v16f) + 0.5f) * (1.0f / 65536.0f);
+      }
+      q = q < vzero ? vzero : q;
+      q = vtop < q ? vtop : q;
+      if (!sr) q = (q + 8388608.0f) - 8388608.0f;
+      const v16i c = __builtin_convertvector(q, v16i);
+      if (Bits == 8) {
+        store_low8x16(r + d, c);
+      } else {
+        const v8i lo4 = __builtin_shufflevector(c, c, 0, 2, 4, 6, 8, 10, 12, 14);
+        const v8i hi4 = __builtin_shufflevector(c, c, 1, 3, 5, 7, 9, 11, 13, 15);
+        store_low8x8(r + d / 2, (lo4 & 0x0F) | (hi4 << 4));
+      }
+    }
+    for (; d < D; ++d) {  // the same operations, one element at a time
       float q = (src[d] - b) * inv;
-      q = sr ? std::floor(q + (static_cast<float>(rnd[d]) + 0.5f) * (1.0f / 65536.0f))
-             : std::nearbyint(q);
-      int c = static_cast<int>(std::min(std::max(q, 0.0f), static_cast<float>(kLevels)));
+      if (sr) q = q + (static_cast<float>(rnd[d]) + 0.5f) * (1.0f / 65536.0f);
+      q = q < 0.0f ? 0.0f : q;
+      q = top < q ? top : q;
+      if (!sr) q = (q + 8388608.0f) - 8388608.0f;
+      const int c = static_cast<int>(q);
       if (Bits == 8) {
         r[d] = static_cast<uint8_t>(c);
       } else {
-        r[d >> 1] |= static_cast<uint8_t>(c << ((d & 1) * 4));
+        r[d >> 1] |= static_cast<uint8_t>((c & 0x0F) << ((d & 1) * 4));
       }
     }
     std::memcpy(r + payload(D), sb, 4);
@@ -449,9 +675,6 @@ inline int64_t prefetch_distance(int64_t row_bytes) {
   return std::min<int64_t>(24, std::max<int64_t>(6, 4096 / std::max<int64_t>(row_bytes, 1)));
 }
 
-// Eight floats in one vector register (AVX2: a ymm; GCC splits it where vectors are
-// narrower). Loads and stores go through memcpy: rows need not be 32-byte aligned.
-typedef float v8f __attribute__((vector_size(32)));
 inline v8f load8(const float* p) {
   v8f x;
   std::memcpy(&x, p, sizeof x);
@@ -488,7 +711,6 @@ struct F32Lanes {
   static v8f get(const Row& row, int64_t c) { return load8(row.p + c); }
 };
 
-typedef uint8_t v8u8 __attribute__((vector_size(8)));
 struct Int8Lanes {
   struct Row {
     const uint8_t* p;
@@ -500,9 +722,7 @@ struct Int8Lanes {
     return {r, v8f{} + s, v8f{} + b};
   }
   static v8f get(const Row& row, int64_t c) {
-    v8u8 q;
-    std::memcpy(&q, row.p + c, sizeof q);
-    return __builtin_convertvector(q, v8f) * row.scale + row.bias;
+    return __builtin_convertvector(widen_u8x8(row.p + c), v8f) * row.scale + row.bias;
   }
 };
 
@@ -518,17 +738,13 @@ struct Int4Lanes {
     return {r, v8f{} + s, v8f{} + b};
   }
   static v8f get(const Row& row, int64_t c) {
-    const uint8_t* p = row.p + c / 2;  // c is a multiple of 8
-    const v8u8 q = {static_cast<uint8_t>(p[0] & 0x0F), static_cast<uint8_t>(p[0] >> 4),
-                    static_cast<uint8_t>(p[1] & 0x0F), static_cast<uint8_t>(p[1] >> 4),
-                    static_cast<uint8_t>(p[2] & 0x0F), static_cast<uint8_t>(p[2] >> 4),
-                    static_cast<uint8_t>(p[3] & 0x0F), static_cast<uint8_t>(p[3] >> 4)};
-    return __builtin_convertvector(q, v8f) * row.scale + row.bias;
+    uint32_t p;  // eight codes; code k in bits [4k, 4k + 4) (little-endian)
+    std::memcpy(&p, row.p + c / 2, sizeof p);  // c is a multiple of 8
+    const v8u32 q = ((v8u32{} + p) >> v8u32{0, 4, 8, 12, 16, 20, 24, 28}) & 0x0Fu;
+    return __builtin_convertvector(__builtin_convertvector(q, v8i), v8f) * row.scale + row.bias;
   }
 };
 
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
-typedef uint32_t v8u32 __attribute__((vector_size(32)));
 // BF16: the top half of an FP32 (exact).
 struct BF16Lanes {
   struct Row {
@@ -536,9 +752,7 @@ struct BF16Lanes {
   };
   static Row open(const uint8_t* r, int64_t) { return {reinterpret_cast<const uint16_t*>(r)}; }
   static v8f get(const Row& row, int64_t c) {
-    v8u16 h;
-    std::memcpy(&h, row.p + c, sizeof h);
-    const v8u32 u = __builtin_convertvector(h, v8u32) << 16;
+    const v8u32 u = bit_cast_vec<v8u32>(widen_u16x8(row.p + c)) << 16;
     v8f x;
     std::memcpy(&x, &u, sizeof x);
     return x;
@@ -713,7 +927,7 @@ void forward_impl(const at::Tensor& weights, const Meta& M, const Idx* values,
       // The register path for FP32 rows, and for narrow rows of the other formats: at
       // dim 64 the compiler's 16-wide decode into L1 then sum (sum_bag) measured faster.
       const bool lanes = !std::is_void_v<Lanes> && D % 8 == 0 &&
-                         (std::is_same_v<Codec, F32> || D <= 32);
+                         (!std::is_same_v<Codec, IntRow<8>> || D <= 32);
       float* out_f = out + M.feat_cols[f];
       for (int64_t s = s0; s < s1; ++s) {
         const int64_t j0 = offsets[s], j1 = offsets[s + 1];
