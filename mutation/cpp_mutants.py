@@ -64,29 +64,29 @@ MUTANTS = [
     Mutant(
         "int_clamp_one_level_short",
         TBE,
-        "std::min(std::max(q, 0.0f), static_cast<float>(kLevels))",
-        "std::min(std::max(q, 0.0f), static_cast<float>(kLevels - 1))",
+        "top = static_cast<float>(kLevels);",
+        "top = static_cast<float>(kLevels - 1);",
         "integer codes clamped one level below the top",
     ),
     Mutant(
         "int_nearest_is_floor",
         TBE,
-        ": std::nearbyint(q);",
-        ": std::floor(q);",
+        "if (!sr) q = (q + 8388608.0f) - 8388608.0f;\n      const v16i c",
+        "if (!sr) q = q;\n      const v16i c",
         "integer round-to-nearest truncates instead",
     ),
     Mutant(
         "int_stochastic_biased",
         TBE,
-        "std::floor(q + (static_cast<float>(rnd[d]) + 0.5f) * (1.0f / 65536.0f))",
-        "std::floor(q + (static_cast<float>(rnd[d]) + 0.5f) * (0.5f / 65536.0f))",
+        "widen_u16x16(rnd + d), v16f) + 0.5f) * (1.0f / 65536.0f);",
+        "widen_u16x16(rnd + d), v16f) + 0.5f) * (0.5f / 65536.0f);",
         "integer stochastic rounding draws u in [0, 0.5): biased down",
     ),
     Mutant(
         "int4_nibble_order",
         TBE,
-        "r[d >> 1] |= static_cast<uint8_t>(c << ((d & 1) * 4));",
-        "r[d >> 1] |= static_cast<uint8_t>(c << (((d + 1) & 1) * 4));",
+        "store_low8x8(r + d / 2, (lo4 & 0x0F) | (hi4 << 4));",
+        "store_low8x8(r + d / 2, (hi4 & 0x0F) | (lo4 << 4));",
         "INT4 encode writes the high nibble first (decode reads low first)",
     ),
     Mutant(
@@ -127,8 +127,8 @@ MUTANTS = [
     Mutant(
         "fp16_stochastic_12_bits",
         TBE,
-        "(rnd[d + k] & 0x1FFFu)",
-        "(rnd[d + k] & 0x0FFFu)",
+        "const v8u32 nrm = u + (r & 0x1FFFu);",
+        "const v8u32 nrm = u + (r & 0x0FFFu);",
         "FP16 stochastic rounding (vector loop) adds 12 random bits, not 13: biased",
     ),
     Mutant(
@@ -143,8 +143,8 @@ MUTANTS = [
     Mutant(
         "fp16_subnormal_as_normal",
         TBE,
-        "noisy[k] = !std::isfinite(x) ? x : a < 6.103515625e-05f ? sub : nrm;",
-        "noisy[k] = !std::isfinite(x) ? x : nrm;",
+        "const v8u32 out = finite ? (small ? sub : nrm) : u;",
+        "const v8u32 out = finite ? nrm : u;",
         "FP16 stochastic rounding ignores the subnormal range",
     ),
     Mutant(
