@@ -518,7 +518,7 @@ class LookupBackend:
     def on_torch(
         self, module: InferenceEmbeddingBags, device: torch.device
     ) -> frozenset[Precision]:
-        """The precisions whose tables PyTorch pools in ``module`` on ``device``.
+        """The precisions of ``module``'s tables that PyTorch pools on ``device``.
 
         None off the CPU (PyTorch's quantized bags are CPU kernels), and a precision
         only where PyTorch takes every one of its tables: its 4-bit bag reads an odd
@@ -529,6 +529,7 @@ class LookupBackend:
         """
         if device.type != "cpu":
             return frozenset()
+        present = {t.precision for t in module.tables}
         odd_int4 = any(t.precision is Precision.INT4 and t.dim % 2 for t in module.tables)
         keep = {Precision.INT4} if odd_int4 else set()
         if self.tetrarec_up_to_dim is not None:
@@ -536,7 +537,7 @@ class LookupBackend:
             for t in module.tables:
                 widest[t.precision] = max(widest.get(t.precision, 0), t.dim)
             keep |= {p for p, d in widest.items() if d <= self.tetrarec_up_to_dim}
-        return self.torch_precisions - keep
+        return (self.torch_precisions & present) - keep
 
     def path(self, precision: Precision, dim: int) -> str:
         """``"torch"`` or ``"tetrarec"``: which kernel pools a table on the CPU.

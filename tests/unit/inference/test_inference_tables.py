@@ -300,3 +300,22 @@ def test_an_odd_dim_int4_table_pools_with_tetrarecs_kernel() -> None:
     features = SparseFeatures.from_lists({t.name: [[1, 2], [8]] for t in tables})
     want = InferenceEmbeddingBags(tables, stored, backend="tetrarec")(features).values
     torch.testing.assert_close(bags(features).values, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", [Precision.FP32, Precision.FP16, Precision.INT8])
+def test_a_model_without_tables_on_pytorch_checks_its_ids_in_the_kernel(precision) -> None:
+    """Bug caught: ``on_torch`` listed the backend's PyTorch precisions whether or not the
+    model had such tables, so an FP32 or narrow INT8 model never let tetrarec's kernel
+    check the ids and paid a separate pass over them every call."""
+    stored = {
+        n: convert_rows(r, Precision.FP32, precision, DIMS[n]) for n, r in _fp32_rows().items()
+    }
+    bags = InferenceEmbeddingBags(_tables(precision, PoolingMode.SUM), stored)
+    assert BACKENDS["auto"].on_torch(bags, torch.device("cpu")) == frozenset()
+    checks = []
+    real = bags._check_ids
+    bags._check_ids = lambda *a: checks.append(1) or real(*a)  # type: ignore[method-assign]
+    bags(_features(weighted=False))
+    assert checks == []
+    with pytest.raises(ValueError, match=r"feature 'b': id 50 is outside its table of 50 rows"):
+        bags(SparseFeatures.from_lists({"a": [[0]], "b": [[1, 50]], "c": [[0]]}))
