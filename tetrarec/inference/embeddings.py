@@ -24,7 +24,7 @@ Lookups run through a backend of ``BACKENDS`` (a registry, the only dispatch):
   on their stacked rows (a copy in PyTorch's layout, made on first use);
 - ``auto`` (the default): per precision, the path that measured faster
   (``TORCH_FASTER`` and ``TETRAREC_UP_TO_DIM``, from
-  ``benchmarks/bench_inference_kernels.py``): PyTorch's bags for INT8/INT4 tables wider
+  ``benchmarks/bench_inference_kernels.py``): PyTorch's bags for INT8 tables wider
   than 32, tetrarec's kernel for every other table.
 
 All give the same sums up to the order of additions. ``InferenceEmbeddingBags.backend``
@@ -577,15 +577,14 @@ class LookupBackend:
 
 
 #: The precisions whose PyTorch bags can be faster than tetrarec's kernel, and the widest
-#: dim at which tetrarec's measured faster all the same (batch 2048, 1 thread; 26 tables;
-#: ``benchmarks/bench_inference_kernels.py --only tables``, results in
-#: benchmarks/results/inference_kernels.md): at dim 16 tetrarec's INT8 and INT4 rows pool
-#: in 0.75-0.8x PyTorch's time at pooling 1 and 0.8-1.0x at pooling 20; at dim 64
-#: PyTorch's take 0.7-0.9x (INT8) and 0.25x (INT4) of tetrarec's. FP32 is not in the set
-#: (PyTorch's ``F.embedding_bag`` took 1.0-1.75x tetrarec's time). ``auto`` runs a
-#: precision on PyTorch's bags unless none of its tables is wider than
-#: ``TETRAREC_UP_TO_DIM``.
-TORCH_FASTER: frozenset[Precision] = frozenset({Precision.INT8, Precision.INT4})
+#: dim at which tetrarec's measured faster all the same (batch 2048, 26 tables;
+#: ``benchmarks/bench_inference_kernels.py --only tables [--threads 1]``, results in
+#: benchmarks/results/inference_kernels.md): INT8 only. At dim 64, pooling 20, PyTorch's
+#: INT8 bag took 0.89x tetrarec's time on 1 thread (1.02x on 2); at dim 16, pooling 1,
+#: 1.6-1.7x. INT4 (1.3-2.5x), FP32 (1.06-1.36x) and FP16 (PyTorch has no FP16 bag) are
+#: tetrarec's. ``auto`` runs INT8 on PyTorch's bags unless none of the model's INT8
+#: tables is wider than ``TETRAREC_UP_TO_DIM``.
+TORCH_FASTER: frozenset[Precision] = frozenset({Precision.INT8})
 TETRAREC_UP_TO_DIM = 32
 
 
