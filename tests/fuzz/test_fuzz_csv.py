@@ -26,24 +26,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from raw_ids import MASK, fnv1a64
 
 import tetrarec.data.csv_source as csv_source
 from tetrarec.data import ColumnMapping, CsvConfig, DataError, read_csv
 
 FUZZ = settings.get_profile("tetrarec-fuzz")
-MASK = 2**64 - 1
 MAPPING = ColumnMapping(label_column="y", dense_columns=("d0", "d1"), sparse_columns=("s", "m"))
 NAMES = ("y", "d0", "extra", "s", "d1", "m")  # "extra" is read by no one
-
-
-def fnv1a64(data: bytes) -> int:
-    """The documented raw id of a text value: FNV-1a 64 of its bytes, "" -> 0, as int64."""
-    if not data:
-        return 0
-    h = 0xCBF29CE484222325
-    for byte in data:
-        h = ((h ^ byte) * 0x100000001B3) & MASK
-    return h - 2**64 if h >= 2**63 else h
 
 
 # Text values: anything but a newline or a carriage return (a field never spans lines).

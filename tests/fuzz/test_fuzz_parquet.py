@@ -19,21 +19,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from raw_ids import fnv1a64
 
 from tetrarec.data import ColumnMapping, DataError, read_parquet
 
 FUZZ = settings.get_profile("tetrarec-fuzz")
-MASK = 2**64 - 1
 MAPPING = ColumnMapping(label_column="y", dense_columns=("d",), sparse_columns=("s", "m"))
-
-
-def fnv1a64(data: bytes) -> int:
-    if not data:
-        return 0
-    h = 0xCBF29CE484222325
-    for byte in data:
-        h = ((h ^ byte) * 0x100000001B3) & MASK
-    return h - 2**64 if h >= 2**63 else h
 
 
 def _dictionary(values: list[object], t: pa.DataType) -> pa.Array:
