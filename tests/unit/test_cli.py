@@ -624,12 +624,14 @@ def test_train_parquet_paths_and_quoted_dir_from_set_then_eval_the_best(
 def test_sigterm_exits_143_and_deletes_the_ssd_scratch_files(tmp_path) -> None:
     """SIGTERM (what torchrun sends the other ranks when one fails, and schedulers send
     at a time limit) killed the process at once: no message, and an ``ssd`` table's
-    scratch directory left behind on the disk. It now unwinds like Ctrl-C."""
+    scratch directory left behind on the disk. It now unwinds like Ctrl-C, after
+    checkpointing the step it was in (one line says which)."""
     ssd = tmp_path / "ssd"
     cmd = [
         sys.executable, "-m", "tetrarec", "-q", "train", "--config", str(SYNTHETIC),
         *_sets(*TINY, "train.steps=1000000", "model.placement=ssd", "model.precision=int8",
-               "model.cache.fraction=0.1", f"model.cache.dir={ssd}"),
+               "model.cache.fraction=0.1", f"model.cache.dir={ssd}",
+               f"train.checkpoint_dir={tmp_path / 'ckpt'}"),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -639,7 +641,10 @@ def test_sigterm_exits_143_and_deletes_the_ssd_scratch_files(tmp_path) -> None:
     finally:
         proc.kill()
     assert proc.returncode == 143, err
-    assert _one_line(err) == "tetrarec train: terminated (SIGTERM)"
+    assert re.fullmatch(
+        r"tetrarec train: SIGTERM: stopped after step \d+; checkpoint .*ckpt/step_\d{8}",
+        _one_line(err),
+    ), err
     assert list(ssd.glob("tetrarec-ssd-*")) == []
 
 

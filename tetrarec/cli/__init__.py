@@ -575,7 +575,7 @@ def _stop_on_sigterm() -> Iterator[threading.Event]:
         if stop.is_set():
             raise _Terminated
         stop.set()
-        logger.warning("SIGTERM: stopping after this step, with a checkpoint of it")
+        logger.info("SIGTERM: stopping after this step, with a checkpoint of it")
 
     previous = signal.signal(signal.SIGTERM, request_stop)
     try:
