@@ -525,8 +525,19 @@ class LookupBackend:
         dim as one more column, so a module with an odd-dim INT4 table (a first-order
         term's dim-1 table) pools its INT4 tables with tetrarec's kernel. With
         ``tetrarec_up_to_dim``, a precision whose tables are all that narrow stays on
-        tetrarec's kernel.
+        tetrarec's kernel. Worked out once per module and device kind: it is asked twice
+        a lookup, and each time walked every table.
         """
+        cache: dict[tuple[LookupBackend, str], frozenset[Precision]]
+        cache = module.__dict__.setdefault("_on_torch", {})
+        key = (self, device.type)
+        if key not in cache:
+            cache[key] = self._on_torch(module, device)
+        return cache[key]
+
+    def _on_torch(
+        self, module: InferenceEmbeddingBags, device: torch.device
+    ) -> frozenset[Precision]:
         if device.type != "cpu":
             return frozenset()
         present = {t.precision for t in module.tables}
