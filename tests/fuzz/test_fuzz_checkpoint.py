@@ -26,6 +26,7 @@ from tetrarec.config import RunConfig
 from tetrarec.testing.checkpoint_crash import reseal
 from tetrarec.train import build_parts
 from tetrarec.train.checkpoint import read_checkpoint, read_meta
+from tetrarec.train.checkpoint_manifest import MANIFEST, file_entry, verify_checkpoint
 from tetrarec.train.checkpoint_tables import CheckpointTables
 from tetrarec.train.state import load_dense_transform, load_run_state, save_run_state
 
@@ -137,3 +138,51 @@ def test_damaged_tensor_file_resumes_or_is_one_error(run, tmp_path, data, how) -
         raw[at:at] = data.draw(st.binary(min_size=1, max_size=8))
     file.write_bytes(bytes(raw))
     read_all(path, parts)
+
+
+def verify_all(path) -> object:
+    """``verify_checkpoint`` of the whole checkpoint and of what ``read_checkpoint``
+    reads: the entries it accepted, or its one-line error naming the checkpoint."""
+    try:
+        whole = verify_checkpoint(path)
+        verify_checkpoint(path, hash_files=["meta.json", "tensors.safetensors"])
+    except ValueError as e:
+        error = e
+    else:
+        return whole
+    assert "\n" not in str(error).strip(), str(error)
+    assert str(path) in str(error)
+    event("refused")
+    return error
+
+
+@FUZZ
+@given(data=st.data())
+def test_an_edited_manifest_is_refused_or_vouches_only_for_the_files_as_they_are(
+    run, tmp_path, data
+) -> None:
+    """``manifest.json`` with values replaced, entries removed, sizes or the step moved:
+    one error naming it or a file, or accepted only where every file of the checkpoint is
+    listed with its real size and SHA-256 (an entry dropped from the manifest must not
+    let its file be read unverified)."""
+    _, _, src = run
+    path = copy_of(src, tmp_path)
+    manifest = json.loads((path / MANIFEST).read_text())
+    (path / MANIFEST).write_text(json.dumps(data.draw(damaged(manifest, max_edits=2))))
+    got = verify_all(path)
+    if not isinstance(got, Exception):
+        assert got is not None
+        on_disk = sorted(p.name for p in path.iterdir() if p.name != MANIFEST)
+        assert sorted(got) == on_disk
+        for name in on_disk:
+            assert got[name] == file_entry(path / name)
+
+
+@FUZZ
+@given(raw=st.binary(max_size=300))
+def test_a_manifest_of_any_bytes_is_one_error(run, tmp_path, raw) -> None:
+    """``manifest.json`` of any bytes (not UTF-8, not JSON, JSON of another shape)."""
+    _, _, src = run
+    path = copy_of(src, tmp_path)
+    (path / MANIFEST).write_bytes(raw)
+    assert isinstance(verify_all(path), ValueError)

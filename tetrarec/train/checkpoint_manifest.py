@@ -199,15 +199,16 @@ def verify_checkpoint(
 
     Args:
         path: the checkpoint directory (or ``<root>/best``).
-        hash_files: the names of the files the caller will read (those the manifest does
-            not list are skipped: the reader reports them missing itself).
+        hash_files: the names of the files the caller will read (default: every file
+            of the checkpoint). Each one that exists must be listed; one that does not
+            is left to the reader to report missing.
 
     Returns:
         The manifest's files by name, or ``None`` for a checkpoint without a manifest.
 
     Raises:
-        ValueError: naming the first file that is missing, of another size or another
-            hash, or the manifest, if it is damaged.
+        ValueError: naming the first file that is missing, unlisted, of another size or
+            another hash, or the manifest, if it is damaged.
     """
     path = Path(path)
     if not (path / MANIFEST).is_file():
@@ -218,6 +219,19 @@ def verify_checkpoint(
         )
         return None
     entries = _read_manifest(path)
+    # A file the manifest leaves out would be read unverified: an entry dropped from a
+    # damaged manifest must not vouch for less than the checkpoint holds.
+    present = (
+        [p.name for p in path.iterdir() if p.is_file() and p.name != MANIFEST]
+        if hash_files is None
+        else [n for n in hash_files if (path / n).is_file()]
+    )
+    unlisted = sorted(set(present) - set(entries))
+    if unlisted:
+        raise ValueError(
+            f"{path / unlisted[0]}: not listed in {MANIFEST} (a damaged manifest, or a file "
+            "added to the checkpoint)"
+        )
     for entry in entries.values():
         file = path / entry.name
         if not file.is_file():

@@ -31,7 +31,12 @@ from tetrarec.train.checkpoint import (
     read_rank_tensors,
     write_checkpoint,
 )
-from tetrarec.train.checkpoint_manifest import MANIFEST, WriteStage, file_entry
+from tetrarec.train.checkpoint_manifest import (
+    MANIFEST,
+    WriteStage,
+    file_entry,
+    verify_checkpoint,
+)
 from tetrarec.train.state import load_run_state, save_run_state
 
 TINY = [
@@ -107,6 +112,23 @@ def test_a_flipped_bit_in_tensor_data_is_refused_before_any_tensor_is_read(
     message = f"{path / 'tensors.safetensors'}: damaged checkpoint file (its SHA-256 differs"
     with pytest.raises(ValueError, match="^" + re.escape(message)):
         read_checkpoint(path)
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "reader"])
+def test_a_file_the_manifest_leaves_out_is_refused_not_read_unverified(
+    tmp_path, no_tensor_reads, whole
+) -> None:
+    """Bug caught by the manifest fuzz test: a manifest whose tensor-file entry was
+    dropped vouched for the rest, and the dropped file was then read without its hash
+    checked (a damaged manifest made the damage it should catch invisible)."""
+    path = write_checkpoint(tmp_path, _data(3))
+    manifest = _manifest(path)
+    del manifest["files"]["tensors.safetensors"]
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    message = f"{path / 'tensors.safetensors'}: not listed in {MANIFEST}"
+    read = verify_checkpoint if whole else read_checkpoint
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        read(path)
 
 
 @pytest.mark.parametrize(
