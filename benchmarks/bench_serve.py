@@ -56,8 +56,7 @@ _POOL = 32  # distinct good requests per size (answers are compared per request)
 def _smoke_model(root: Path) -> Path:
     """A tiny synthetic model, trained 2 steps and exported under ``root``."""
     from tetrarec.config import RunConfig
-    from tetrarec.inference.export import export_checkpoint
-    from tetrarec.train import train
+    from tetrarec.testing.models import trained_model_dir
 
     config = RunConfig.from_dict(
         {
@@ -65,14 +64,10 @@ def _smoke_model(root: Path) -> Path:
                      "synthetic": {"num_samples": 500, "eval_samples": 100, "pooling": 2}},
             "model": {"num_sparse": 8, "num_embeddings": 1000,
                       "dlrm": {"bottom_mlp": [32, 16], "top_mlp": [32, 1]}},
-            "train": {"steps": 2, "checkpoint_dir": str(root / "ckpt"), "checkpoint_every": 2,
-                      "eval_every": 0},
+            "train": {"steps": 2, "checkpoint_every": 2, "eval_every": 0},
         }
     )  # fmt: skip
-    result = train(config)
-    assert result.checkpoint is not None
-    export_checkpoint(result.checkpoint, root / "model")
-    return root / "model"
+    return trained_model_dir(config, root)
 
 
 # Random raw values a source reads, per kind of feature: (dense, sparse(rows of table)).

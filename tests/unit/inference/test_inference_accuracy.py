@@ -41,6 +41,7 @@ from tetrarec.inference.quantize import (
     quantize_tables,
 )
 from tetrarec.inference.scoring import batches, model_dataset
+from tetrarec.testing.models import trained_model_dir
 from tetrarec.train import train
 from tetrarec.train.metrics import compute_metrics
 from tetrarec.types import Precision
@@ -70,13 +71,7 @@ TINY = [
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("accuracy")
-    config = RunConfig.from_dict({}).with_overrides(
-        [*TINY, f"train.checkpoint_dir={str(root / 'ckpt')!r}"]
-    )
-    result = train(config)
-    assert result.checkpoint is not None
-    export_checkpoint(result.checkpoint, root / "model")
-    return root / "model"
+    return trained_model_dir(RunConfig.from_dict({}).with_overrides(TINY), root)
 
 
 @pytest.fixture(scope="module")

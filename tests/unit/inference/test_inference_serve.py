@@ -22,7 +22,7 @@ from tetrarec.config import RunConfig
 from tetrarec.inference import InferenceModel, load
 from tetrarec.inference.rows import RowReader
 from tetrarec.inference.serve import ServeSettings, create_app
-from tetrarec.train import train
+from tetrarec.testing.models import trained_model_dir
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -30,8 +30,6 @@ REPO = Path(__file__).resolve().parents[3]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny synthetic model (3 tables, multi-hot bags), trained 2 steps and exported."""
-    from tetrarec.inference.export import export_checkpoint
-
     root = tmp_path_factory.mktemp("serve")
     config = RunConfig.from_dict(
         {
@@ -40,14 +38,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                    "pooling": 2}},
             "model": {"num_sparse": 3, "num_embeddings": [100, 50, 20],
                       "dlrm": {"num_dense": 4, "bottom_mlp": [8, 4], "top_mlp": [8, 1]}},
-            "train": {"steps": 2, "checkpoint_dir": str(root / "ckpt"), "checkpoint_every": 2,
-                      "eval_every": 0},
+            "train": {"steps": 2, "checkpoint_every": 2, "eval_every": 0},
         }
     )  # fmt: skip
-    result = train(config)
-    assert result.checkpoint is not None
-    export_checkpoint(result.checkpoint, root / "model")
-    return root / "model"
+    return trained_model_dir(config, root)
 
 
 @pytest.fixture(scope="module")
